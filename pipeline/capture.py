@@ -1,0 +1,83 @@
+"""Copying tensor bytes into host-cache slabs: the only step the trainer may have to wait for.
+
+Host tensors are copied by a worker thread (``copy_`` releases the GIL). GPU tensors are copied on
+a side CUDA stream, into pinned slabs, with ``non_blocking=True``; the side stream first waits for
+an event recorded on the trainer's stream when the checkpoint was requested (so it copies the
+values of that moment, after any pending optimizer kernels), and completion is an event the worker
+thread synchronizes on, never the trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.plan import ChunkPlan, TensorPiece
+from pipeline.units import Chunk, ChunkEntry
+from tiers.hostcache import Slab
+
+
+def record_ready_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
+    """An event on the current CUDA stream if any tensor lives on a GPU, else None."""
+    if not any(t.is_cuda for t in tensors):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class SlabCopier:
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def copy(self, plan: ChunkPlan, slab: Slab, ready: torch.cuda.Event | None) -> Chunk:
+        """Copy every piece of ``plan`` into ``slab``; returns when the bytes are in host memory."""
+        dst = slab.tensor
+        end = 0
+        gpu_pieces = []
+        for piece in plan.pieces:
+            if piece.chunk_offset > end:
+                dst[end : piece.chunk_offset].zero_()  # alignment padding: no stale bytes on disk
+            end = piece.chunk_offset + piece.length
+            if piece.item.tensor.is_cuda:
+                gpu_pieces.append(piece)
+            else:
+                _copy_piece(piece, dst, non_blocking=False)
+        if gpu_pieces:
+            self._copy_from_gpu(gpu_pieces, dst, ready)
+        entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
+        return Chunk(entries=entries, raw=slab.view(plan.nbytes), slab=slab)
+
+    def _copy_from_gpu(self, pieces: list[TensorPiece], dst: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        done = []
+        for device in {p.item.tensor.device for p in pieces}:
+            stream = self._side_stream(device)
+            with torch.cuda.stream(stream):
+                if ready is not None:
+                    stream.wait_event(ready)
+                for piece in pieces:
+                    if piece.item.tensor.device == device:
+                        _copy_piece(piece, dst, non_blocking=True)
+                        # The caching allocator must not reuse the source before the side stream reads it.
+                        piece.item.tensor.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+                done.append(event)
+        for event in done:
+            event.synchronize()
+
+
+def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> None:
+    src = piece.item.tensor
+    window = dst[piece.chunk_offset : piece.chunk_offset + piece.length]
+    if piece.length == piece.item.nbytes:
+        # The whole tensor: a strided copy straight into the slab, no temporary for non-contiguous views.
+        window.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
+        return
+    flat = src if src.is_contiguous() else src.contiguous()
+    source_bytes = flat.reshape(-1).view(torch.uint8)[piece.item_offset : piece.item_offset + piece.length]
+    window.copy_(source_bytes, non_blocking=non_blocking)

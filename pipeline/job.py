@@ -1,0 +1,261 @@
+"""One checkpoint's trip through the stage graph, from plan to commit.
+
+Stages are asyncio tasks joined by bounded queues, built from the YAML chain; each stage runs
+``workers`` tasks. The feeder blocks on a full queue and capture blocks on a full host cache, so
+no queue or buffer grows with the size of the state. Any failure cancels the whole graph, returns
+every slab, removes the partial directory and leaves the committed checkpoints as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.capture import SlabCopier
+from pipeline.config import PipelineConfig, StageConfig
+from pipeline.persist import FrameWriter
+from pipeline.plan import CheckpointPlan, ChunkPlan
+from pipeline.units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
+from tiers import codecs
+from tiers.dtypes import dtype_name
+from tiers.filesystem import FilesystemTier
+from tiers.format import (
+    AliasRecord,
+    FileRecord,
+    Manifest,
+    ObjectRecord,
+    Piece,
+    ShardRecord,
+    TensorRecord,
+    checksum,
+    data_file_name,
+    index_bytes,
+    index_file_name,
+    now_iso,
+    write_durably,
+)
+from tiers.hostcache import HostCache, Slab
+from tiers.objcodec import encode_object
+
+
+@dataclass
+class JobStats:
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    chunks: int = 0
+    queue_peaks: dict[str, int] = field(default_factory=dict)
+    queue_bounds: dict[str, int] = field(default_factory=dict)
+    capture_s: float = 0.0
+    durable_s: float = 0.0
+
+
+@dataclass
+class JobContext:
+    """What a job borrows from its runner: the config, the cache and the thread pools."""
+
+    config: PipelineConfig
+    cache: HostCache
+    tier: FilesystemTier
+    compute: concurrent.futures.Executor
+    io: concurrent.futures.Executor
+    copier: SlabCopier
+    rank: int = 0
+
+
+class CheckpointJob:
+    def __init__(
+        self,
+        ctx: JobContext,
+        step: int,
+        plan: CheckpointPlan,
+        ready: torch.cuda.Event | None,
+        on_captured: Callable[[], None],
+    ) -> None:
+        self.ctx = ctx
+        self.step = step
+        self.plan = plan
+        self.ready = ready
+        self.on_captured = on_captured
+        self.stats = JobStats()
+        self._held: set[Slab] = set()
+        self._pieces: dict[str, list[Piece]] = defaultdict(list)
+        self._object_lengths: dict[str, int] = {}
+        self._to_capture = len(plan.chunks)
+        self._started = time.monotonic()
+        self._writer: FrameWriter | None = None
+
+    async def run(self) -> Path:
+        tier = self.ctx.tier
+        partial = await run_blocking(self.ctx.io, tier.begin, self.step)
+        try:
+            if not self._to_capture:
+                self._captured()
+            self._writer = FrameWriter(
+                partial / data_file_name(self.ctx.rank),
+                self.ctx.config.align,
+                self._persist_stage().bandwidth,
+                self.ctx.io,
+            )
+            await self._flow()
+            file = await run_blocking(self.ctx.io, self._writer.finish)
+            manifest = self._manifest(file.model_copy())
+            index = index_bytes(self.ctx.rank, self.step, file, manifest.items)
+            await run_blocking(self.ctx.io, write_durably, partial / index_file_name(self.ctx.rank), index)
+            manifest = manifest.model_copy(update={"indexes": {index_file_name(self.ctx.rank): checksum(index)}})
+            final = await run_blocking(self.ctx.io, tier.commit, self.step, manifest)
+        except BaseException:
+            if self._writer is not None:
+                self._writer.close()
+            await run_blocking(self.ctx.io, tier.abort, self.step)
+            raise
+        finally:
+            for slab in list(self._held):
+                self._release(slab)
+        self.stats.durable_s = time.monotonic() - self._started
+        return final
+
+    def _persist_stage(self) -> StageConfig:
+        return self.ctx.config.chain()[-1][1]
+
+    async def _flow(self) -> None:
+        chain = self.ctx.config.chain()
+        queues = [asyncio.Queue(maxsize=stage.queue) for _, stage in chain]
+        for (name, stage), _queue in zip(chain, queues, strict=False):
+            self.stats.queue_bounds[name] = stage.queue
+        workers = {"capture": self._capture, "serialize": self._serialize, "compress": self._compress}
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._feed(queues[0], chain[0][0]))
+            for i, (name, stage) in enumerate(chain):
+                fn = self._persist if stage.kind == "persist" else workers[stage.kind]
+                out = queues[i + 1] if i + 1 < len(queues) else None
+                out_name = chain[i + 1][0] if out is not None else ""
+                group.create_task(self._stage(name, stage.workers, fn, queues[i], out, out_name))
+
+    async def _put(self, queue: asyncio.Queue, name: str, unit: object) -> None:
+        await queue.put(unit)
+        self.stats.queue_peaks[name] = max(self.stats.queue_peaks.get(name, 0), queue.qsize())
+
+    async def _feed(self, queue: asyncio.Queue, name: str) -> None:
+        # Objects first: their (small) serialization then overlaps the bulk tensor copies.
+        await self._put(queue, name, ObjectBatch(self.plan.objects))
+        for chunk in self.plan.chunks:
+            await self._put(queue, name, chunk)
+        await queue.put(DONE)
+
+    async def _stage(
+        self,
+        name: str,
+        workers: int,
+        fn: Callable[[object], Awaitable[object]],
+        inbox: asyncio.Queue,
+        outbox: asyncio.Queue | None,
+        out_name: str,
+    ) -> None:
+        async def worker() -> None:
+            while True:
+                unit = await inbox.get()
+                if unit is DONE:
+                    inbox.put_nowait(DONE)  # let this stage's other workers see the end too
+                    return
+                result = await fn(unit)
+                if outbox is not None:
+                    await self._put(outbox, out_name, result)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(workers):
+                group.create_task(worker())
+        if outbox is not None:
+            await outbox.put(DONE)
+
+    def _release(self, slab: Slab) -> None:
+        if slab in self._held:
+            self._held.discard(slab)
+            self.ctx.cache.release(slab)
+
+    def _captured(self) -> None:
+        self.stats.capture_s = time.monotonic() - self._started
+        self.on_captured()
+
+    async def _capture(self, unit: object) -> object:
+        if isinstance(unit, ObjectBatch):
+            return unit
+        assert isinstance(unit, ChunkPlan)
+        slab = await self.ctx.cache.acquire()
+        self._held.add(slab)
+        chunk = await run_blocking(self.ctx.compute, self.ctx.copier.copy, unit, slab, self.ready)
+        self._to_capture -= 1
+        if self._to_capture == 0:
+            self._captured()
+        return chunk
+
+    async def _serialize(self, unit: object) -> Chunk:
+        if isinstance(unit, Chunk):
+            return unit  # tensor bytes are already their serialized form; metadata goes to the manifest
+        assert isinstance(unit, ObjectBatch)
+        return await run_blocking(self.ctx.compute, self._encode_objects, unit)
+
+    def _encode_objects(self, batch: ObjectBatch) -> Chunk:
+        allow = self.ctx.config.policies.allow_pickle
+        parts, entries, offset = [], [], 0
+        for item in batch.objects:
+            data = encode_object(item.value, item.serializer, allow)
+            entries.append(ChunkEntry(item.key, 0, len(data), offset))
+            self._object_lengths[item.key] = len(data)
+            parts.append(data)
+            offset += len(data)
+        return Chunk(entries=entries, raw=memoryview(b"".join(parts)))
+
+    async def _compress(self, chunk: Chunk) -> Chunk:
+        stage = self.ctx.config.stage_of_kind("compress")
+        if stage is None or stage.codec == "none" or not len(chunk.raw):
+            return chunk
+        packed = await run_blocking(self.ctx.compute, codecs.compress, chunk.raw, stage.level, stage.threads)
+        if packed is not None:
+            chunk.stored, chunk.codec = packed, "zstd"
+            if chunk.slab is not None:
+                self._release(chunk.slab)  # the compressed copy is independent: free the slab early
+                chunk.slab = None
+        return chunk
+
+    async def _persist(self, chunk: Chunk) -> None:
+        assert self._writer is not None
+        frame = await self._writer.write(chunk)
+        for entry in chunk.entries:
+            self._pieces[entry.key].append(
+                Piece(
+                    file=self._writer.name,
+                    frame=frame,
+                    offset=entry.chunk_offset,
+                    length=entry.length,
+                    item_offset=entry.item_offset,
+                )
+            )
+        self.stats.raw_bytes += len(chunk.raw)
+        self.stats.stored_bytes += len(chunk.payload)
+        self.stats.chunks += 1
+        if chunk.slab is not None:
+            self._release(chunk.slab)
+
+    def _manifest(self, file: FileRecord) -> Manifest:
+        items: dict[str, TensorRecord | ObjectRecord | AliasRecord] = {}
+        for item in self.plan.tensors:
+            t = item.tensor
+            shard = None
+            if item.shard is not None:
+                shard = ShardRecord(global_shape=list(item.shard.global_shape), offsets=list(item.shard.offsets))
+            pieces = sorted(self._pieces.get(item.key, []), key=lambda p: p.item_offset)
+            items[item.key] = TensorRecord(dtype=dtype_name(t.dtype), shape=list(t.shape), shard=shard, pieces=pieces)
+        for obj in self.plan.objects:
+            items[obj.key] = ObjectRecord(
+                serializer=obj.serializer, length=self._object_lengths[obj.key], pieces=self._pieces[obj.key]
+            )
+        for key, target in self.plan.aliases.items():
+            items[key] = AliasRecord(of=target)
+        return Manifest(step=self.step, created=now_iso(), files={self._writer.name: file}, items=items)

@@ -1,0 +1,213 @@
+"""The runner embedded in the trainer: ``checkpoint(step)`` returns at once, the pipeline does the rest.
+
+It owns an asyncio loop on a background thread, the host cache and the worker thread pools. On
+the trainer's thread ``checkpoint`` only asks the providers to describe their state (objects are
+snapshotted, tensors referenced) and hands the plan to the loop; the tensor copies then run while
+the next forward/backward runs, and the optimizer step pre-hook installed by ``attach`` waits only
+if they are still pending. One checkpoint is in flight at a time; another request meanwhile
+follows ``policies.in_flight`` (wait or skip), so nothing queues without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pipeline.capture import SlabCopier, record_ready_event
+from pipeline.config import PipelineConfig, load_config
+from pipeline.handle import CheckpointHandle, CheckpointResult
+from pipeline.job import CheckpointJob, JobContext, JobStats
+from pipeline.plan import plan_checkpoint
+from pipeline.restore import RestoreResult, restore_into
+from providers.base import StateProvider
+from providers.composite import CompositeProvider
+from providers.items import TensorItem
+from tiers.filesystem import FilesystemTier
+from tiers.hostcache import HostCache
+
+log = logging.getLogger("tierstate")
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    """TaskGroups wrap failures in ExceptionGroups; the user wants the one that started it."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+class Runner:
+    def __init__(self, config: PipelineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.providers = CompositeProvider()
+        self.tiers = [FilesystemTier(name, tier.path) for name, tier in config.tiers.items()]
+        pinned = config.host_cache.pinned
+        if pinned == "auto":
+            pinned = torch.cuda.is_available()
+        slab = max(4096, config.chunk_size // 4096 * 4096)
+        self.cache = HostCache(config.host_cache.size, slab, pinned=bool(pinned))
+        stage_workers = max(s.workers for _, s in config.chain() if s.kind != "persist")
+        self._compute = concurrent.futures.ThreadPoolExecutor(stage_workers, thread_name_prefix="tierstate-cpu")
+        self._io = concurrent.futures.ThreadPoolExecutor(
+            config.chain()[-1][1].workers + 1, thread_name_prefix="tierstate-io"
+        )
+        self._copier = SlabCopier()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tierstate-loop", daemon=True)
+        self._thread.start()
+        self._inflight: CheckpointHandle | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.history: list[tuple[CheckpointHandle, JobStats]] = []
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    @classmethod
+    def from_yaml(
+        cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None, rank: int = 0
+    ) -> Runner:
+        return cls(load_config(path, overrides), rank=rank)
+
+    # --- wiring -------------------------------------------------------------------------------
+    def register(self, **providers: StateProvider) -> None:
+        for name, provider in providers.items():
+            self.providers.add(name, provider)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Install the step pre-hook that keeps the optimizer from mutating tensors not yet captured."""
+
+        def before_step(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            self.wait_captured()
+
+        return optimizer.register_step_pre_hook(before_step)
+
+    @property
+    def durable_tier(self) -> FilesystemTier:
+        name = self.config.persist_tier
+        return next(t for t in self.tiers if t.name == name)
+
+    # --- checkpoint ---------------------------------------------------------------------------
+    def checkpoint(self, step: int) -> CheckpointHandle:
+        """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O."""
+        started = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("runner is closed")
+        handle = CheckpointHandle(step)
+        with self._lock:
+            previous = self._inflight
+            if previous is not None and not previous.done():
+                if self.config.policies.in_flight == "skip":
+                    handle._set_skipped()
+                    log.warning("checkpoint step %d skipped: step %d still in flight", step, previous.step)
+                    handle.blocked_s = time.perf_counter() - started
+                    return handle
+                previous.wait()
+            try:
+                plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
+                ready = record_ready_event([t.tensor for t in plan.tensors if isinstance(t, TensorItem)])
+            except Exception as exc:  # a provider bug must not stop training
+                log.error("checkpoint step %d failed while describing state: %s", step, exc)
+                handle._set_failed(exc)
+                handle.blocked_s = time.perf_counter() - started
+                return handle
+            self._inflight = handle
+            ctx = JobContext(
+                self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank
+            )
+            job = CheckpointJob(ctx, step, plan, ready, lambda: handle._set_captured())
+            asyncio.run_coroutine_threadsafe(self._run(job, handle), self._loop)
+        handle.blocked_s = time.perf_counter() - started
+        return handle
+
+    async def acheckpoint(self, step: int) -> CheckpointResult:
+        """For async trainers: request a checkpoint and await its durability without blocking the loop."""
+        handle = self.checkpoint(step)
+        await asyncio.get_running_loop().run_in_executor(None, handle.wait)
+        return handle.result()
+
+    async def _run(self, job: CheckpointJob, handle: CheckpointHandle) -> None:
+        try:
+            path = await job.run()
+        except BaseException as exc:  # report, never raise into training
+            error = _first_leaf(exc)
+            log.error("checkpoint step %d failed: %s: %s", job.step, type(error).__name__, error)
+            handle._set_failed(error)
+            self.history.append((handle, job.stats))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.history.append((handle, job.stats))
+        handle._set_durable(
+            CheckpointResult(
+                step=job.step,
+                tier=self.durable_tier.name,
+                path=path,
+                raw_bytes=job.stats.raw_bytes,
+                stored_bytes=job.stats.stored_bytes,
+                blocked_s=handle.blocked_s,
+                capture_s=job.stats.capture_s,
+                durable_s=job.stats.durable_s,
+            )
+        )
+
+    def wait_captured(self) -> float:
+        """Block until the pending checkpoint's tensors are copied out; returns the seconds blocked."""
+        handle = self._inflight
+        if handle is None or handle.wait_captured(0):
+            return 0.0
+        started = time.perf_counter()
+        handle.wait_captured()
+        blocked = time.perf_counter() - started
+        handle.blocked_s += blocked
+        return blocked
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight (if any) is durable or failed."""
+        handle = self._inflight
+        if handle is not None:
+            handle.wait()
+
+    # --- restore ------------------------------------------------------------------------------
+    def restore(self, which: int | str = "latest") -> RestoreResult:
+        """Load a committed checkpoint into the registered providers, in place; fastest tier first."""
+        self.wait()
+        return restore_into(self.providers, self.tiers, which, allow_pickle=self.config.policies.allow_pickle)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain: the checkpoint in flight becomes durable or is reported failed; then stop threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._compute.shutdown()
+        self._io.shutdown()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def steps(self) -> dict[str, list[int]]:
+        """Committed steps per tier."""
+        return {tier.name: tier.steps() for tier in self.tiers}
+
+
+def _close_at_exit(ref: weakref.ref[Runner]) -> None:
+    """A trainer that forgets close() still gets its last requested checkpoint made durable."""
+    runner = ref()
+    if runner is not None:
+        runner.close()

@@ -1,0 +1,70 @@
+"""What flows through the stage queues.
+
+A checkpoint enters the pipeline as one :class:`ObjectBatch` (its snapshotted Python objects) and
+one :class:`~pipeline.plan.ChunkPlan` per chunk of tensor bytes. Capture turns plans into
+:class:`Chunk` s held in host-cache slabs; serialize turns the object batch into a chunk of
+encoded bytes; compress may replace a chunk's stored bytes; persist writes them as one frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from providers.items import ObjectItem
+from tiers.hostcache import Slab
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """Bytes [item_offset, item_offset + length) of item ``key`` sit at ``chunk_offset``."""
+
+    key: str
+    item_offset: int
+    length: int
+    chunk_offset: int
+
+
+@dataclass
+class ObjectBatch:
+    objects: list[ObjectItem]
+
+
+@dataclass
+class Chunk:
+    entries: list[ChunkEntry]
+    raw: memoryview
+    slab: Slab | None = None
+    codec: str = "none"
+    stored: memoryview | bytes | None = None
+    object_lengths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def payload(self) -> memoryview | bytes:
+        """The bytes persist writes: compressed when compress shrank them, else the raw bytes."""
+        return self.raw if self.stored is None else self.stored
+
+
+class Done:
+    """End of stream marker between stages."""
+
+
+DONE = Done()
+
+
+async def run_blocking(pool: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking work in ``pool``; if cancelled, still wait for the thread before unwinding.
+
+    Returning early on cancel would let the caller release a slab that a thread is still writing.
+    """
+    future = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise

@@ -1,0 +1,65 @@
+"""The units a provider hands to the pipeline: one tensor or one Python object per item.
+
+Providers only *describe* state. A :class:`TensorItem` holds a reference to the live tensor (no
+copy: the pipeline copies it lazily, before the optimizer next mutates it); an :class:`ObjectItem`
+holds a value that is already snapshotted, because Python objects can change at any moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Serializer = Literal["json", "msgpack", "pickle"]
+SERIALIZERS: tuple[str, ...] = ("json", "msgpack", "pickle")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where this rank's piece sits in a larger, logically global tensor."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.global_shape) != len(self.offsets):
+            raise ValueError(f"shard global_shape {self.global_shape} and offsets {self.offsets} differ in rank")
+
+
+@dataclass
+class TensorItem:
+    """One tensor, referenced, not copied."""
+
+    key: str
+    tensor: torch.Tensor
+    shard: ShardInfo | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(f"item {self.key!r}: expected a torch.Tensor, got {type(self.tensor).__name__}")
+        if self.tensor.layout != torch.strided:
+            raise TypeError(f"item {self.key!r}: only strided (dense) tensors are supported, got {self.tensor.layout}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class ObjectItem:
+    """One Python value, already snapshotted (deep-copied) when the checkpoint was requested."""
+
+    key: str
+    value: Any
+    serializer: Serializer = "msgpack"
+
+    def __post_init__(self) -> None:
+        if self.serializer not in SERIALIZERS:
+            raise ValueError(
+                f"item {self.key!r}: unknown serializer {self.serializer!r}, expected one of {SERIALIZERS}"
+            )
+
+
+Item = TensorItem | ObjectItem
