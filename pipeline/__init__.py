@@ -1,0 +1,1 @@
+"""How bytes move: the YAML pipeline spec, its stages, the runner, restore and metrics."""
