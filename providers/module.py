@@ -1,0 +1,53 @@
+"""Parameters and buffers of an ``nn.Module``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from providers.base import RestoreError, require_keys
+from providers.items import Item, ObjectItem, Serializer, TensorItem
+
+
+class ModuleProvider:
+    """One tensor item per ``state_dict()`` entry, keyed by its state-dict name.
+
+    ``state_dict()`` tensors share storage with the parameters, so describing costs no copy. Tied
+    parameters appear under each of their names; deduplicating storage is the pipeline's business.
+    Non-tensor entries (``get_extra_state()``) become object items with ``serializer``.
+    """
+
+    def __init__(self, module: nn.Module, serializer: Serializer = "msgpack") -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ModuleProvider needs an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.serializer = serializer
+
+    @property
+    def _owner(self) -> str:
+        return f"module {type(self.module).__name__}"
+
+    def describe(self) -> list[Item]:
+        return [
+            TensorItem(name, value)
+            if isinstance(value, torch.Tensor)
+            else ObjectItem(name, copy.deepcopy(value), self.serializer)
+            for name, value in self.module.state_dict().items()
+        ]
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Copy the values into the existing parameters and buffers, so optimizers keep their references."""
+        expected = set(self.module.state_dict())
+        require_keys(self._owner, state, expected)
+        unexpected = sorted(set(state) - expected)
+        if unexpected:
+            names = ", ".join(unexpected)
+            raise RestoreError(f"{self._owner}: checkpoint has {len(unexpected)} item(s) the module lacks: {names}")
+        try:
+            self.module.load_state_dict(dict(state), strict=True)
+        except RuntimeError as exc:  # size mismatches, listed by name in torch's message
+            raise RestoreError(f"{self._owner}: {exc}") from exc

@@ -1,0 +1,73 @@
+"""Random number generator states: Python ``random``, NumPy's global generator, torch CPU and CUDA.
+
+Unlike tensors of a model, generator states are copied when described: they change on every draw,
+so the state that belongs to a checkpoint is the one at the moment it was requested.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from providers.base import require_keys
+from providers.items import Item, ObjectItem, TensorItem
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional; without it there is no NumPy state to keep
+    np = None
+
+PYTHON_KEY = "python"
+NUMPY_KEY = "numpy"
+TORCH_KEY = "torch"
+CUDA_PREFIX = "cuda/"
+
+
+class RNGProvider:
+    """Items ``python``, ``numpy`` (when importable), ``torch`` and ``cuda/<device index>``.
+
+    ``cuda=None`` includes CUDA generators when CUDA is available; ``True`` requires it; ``False``
+    leaves them out (e.g. to restore a GPU run's checkpoint on a CPU-only machine). Restore expects
+    the items this provider would describe now.
+    """
+
+    def __init__(self, cuda: bool | None = None) -> None:
+        if cuda and not torch.cuda.is_available():
+            raise RuntimeError("RNGProvider(cuda=True) but torch.cuda.is_available() is False")
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+
+    def _cuda_keys(self) -> list[str]:
+        return [f"{CUDA_PREFIX}{i}" for i in range(torch.cuda.device_count())] if self.cuda else []
+
+    def describe(self) -> list[Item]:
+        version, internal, gauss_next = random.getstate()
+        items: list[Item] = [
+            ObjectItem(PYTHON_KEY, {"version": version, "state": list(internal), "gauss_next": gauss_next}),
+            TensorItem(TORCH_KEY, torch.get_rng_state()),
+        ]
+        if np is not None:
+            name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+            items.append(
+                ObjectItem(
+                    NUMPY_KEY,
+                    {"name": name, "key": key.tolist(), "pos": pos, "has_gauss": has_gauss, "cached_gaussian": cached},
+                )
+            )
+        items += [TensorItem(key, torch.cuda.get_rng_state(i)) for i, key in enumerate(self._cuda_keys())]
+        return items
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        cuda_keys = self._cuda_keys()
+        require_keys("rng", state, {PYTHON_KEY, TORCH_KEY, *cuda_keys} | ({NUMPY_KEY} if np is not None else set()))
+        py = state[PYTHON_KEY]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+        torch.set_rng_state(state[TORCH_KEY])
+        if np is not None:
+            npy = state[NUMPY_KEY]
+            key = np.asarray(npy["key"], dtype=np.uint32)
+            np.random.set_state((npy["name"], key, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+        for i, key in enumerate(cuda_keys):
+            torch.cuda.set_rng_state(state[key], i)

@@ -1,0 +1,56 @@
+"""Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, GradScaler, samplers, optimizers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from providers.base import RestoreError, require_keys
+from providers.items import Item, ObjectItem, Serializer
+from providers.tree import join_tensors, split_tensors
+
+SKELETON_KEY = "skeleton"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+
+
+class StatefulProvider:
+    """Tensors of ``state_dict()`` as tensor items keyed by their path, everything else as one object.
+
+    The object item (key ``"skeleton"``) holds the structure with a marker per tensor; restoring
+    joins the two and calls ``load_state_dict``. Tensors handed to ``restore`` are passed on as they
+    are; subclasses whose target keeps them fix that in :meth:`_after_load`.
+    """
+
+    def __init__(self, obj: Stateful, serializer: Serializer = "msgpack") -> None:
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict()")
+        self.obj = obj
+        self.serializer = serializer
+
+    @property
+    def _owner(self) -> str:
+        return type(self.obj).__name__
+
+    def describe(self) -> list[Item]:
+        skeleton, tensors = split_tensors(self.obj.state_dict())
+        if any(item.key == SKELETON_KEY for item in tensors):
+            raise ValueError(f"{self._owner}: a tensor named {SKELETON_KEY!r} clashes with the skeleton item")
+        return [*tensors, ObjectItem(SKELETON_KEY, skeleton, self.serializer)]
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        require_keys(self._owner, state, {SKELETON_KEY})
+        state_dict = join_tensors(state[SKELETON_KEY], state, owner=self._owner)
+        try:
+            self.obj.load_state_dict(state_dict)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            raise RestoreError(f"{self._owner}: load_state_dict failed: {exc!r}") from exc
+        self._after_load(state)
+
+    def _after_load(self, state: Mapping[str, Any]) -> None:
+        """Hook run after a successful ``load_state_dict``; ``state`` is what restore received."""
