@@ -74,10 +74,14 @@ class SlabCopier:
 def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> None:
     src = piece.item.tensor
     window = dst[piece.chunk_offset : piece.chunk_offset + piece.length]
-    if piece.length == piece.item.nbytes:
-        # The whole tensor: a strided copy straight into the slab, no temporary for non-contiguous views.
+    if src.is_contiguous():
+        # Bytes, not elements: works for every dtype (sub-byte, float8, bits) and is a plain memcpy.
+        source_bytes = src.reshape(-1).view(torch.uint8)[piece.item_offset : piece.item_offset + piece.length]
+        window.copy_(source_bytes, non_blocking=non_blocking)
+    elif piece.length == piece.item.nbytes:
+        # A whole strided view: one strided copy straight into the slab, no temporary.
         window.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)
-        return
-    flat = src if src.is_contiguous() else src.contiguous()
-    source_bytes = flat.reshape(-1).view(torch.uint8)[piece.item_offset : piece.item_offset + piece.length]
-    window.copy_(source_bytes, non_blocking=non_blocking)
+    else:
+        # A strided view larger than a chunk: made contiguous once per piece (rare; costs a temporary).
+        flat = src.contiguous().reshape(-1).view(torch.uint8)
+        window.copy_(flat[piece.item_offset : piece.item_offset + piece.length], non_blocking=non_blocking)

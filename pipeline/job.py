@@ -42,7 +42,7 @@ from tiers.format import (
     write_durably,
 )
 from tiers.hostcache import HostCache, Slab
-from tiers.objcodec import encode_object
+from tiers.objcodec import ObjectCodecError, encode_object
 
 
 @dataclass
@@ -144,7 +144,8 @@ class CheckpointJob:
 
     async def _feed(self, queue: asyncio.Queue, name: str) -> None:
         # Objects first: their (small) serialization then overlaps the bulk tensor copies.
-        await self._put(queue, name, ObjectBatch(self.plan.objects))
+        if self.plan.objects:
+            await self._put(queue, name, ObjectBatch(self.plan.objects))
         for chunk in self.plan.chunks:
             await self._put(queue, name, chunk)
         await queue.put(DONE)
@@ -205,7 +206,10 @@ class CheckpointJob:
         allow = self.ctx.config.policies.allow_pickle
         parts, entries, offset = [], [], 0
         for item in batch.objects:
-            data = encode_object(item.value, item.serializer, allow)
+            try:
+                data = encode_object(item.value, item.serializer, allow)
+            except ObjectCodecError as exc:
+                raise ObjectCodecError(f"item {item.key!r}: {exc}") from None
             entries.append(ChunkEntry(item.key, 0, len(data), offset))
             self._object_lengths[item.key] = len(data)
             parts.append(data)
