@@ -50,7 +50,7 @@ class SlabCopier:
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
-        return Chunk(entries=entries, raw=slab.view(plan.nbytes), slab=slab)
+        return Chunk(entries=entries, raw=slab.view(plan.nbytes), slab=slab, element_size=_dominant_element_size(plan))
 
     def _copy_from_gpu(self, pieces: list[TensorPiece], dst: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         done = []
@@ -69,6 +69,15 @@ class SlabCopier:
                 done.append(event)
         for event in done:
             event.synchronize()
+
+
+def _dominant_element_size(plan: ChunkPlan) -> int:
+    """The element size holding most of the chunk's bytes: the shuffle width that helps most."""
+    by_size: dict[int, int] = {}
+    for piece in plan.pieces:
+        size = piece.item.tensor.element_size()
+        by_size[size] = by_size.get(size, 0) + piece.length
+    return max(by_size, key=by_size.__getitem__)
 
 
 def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> None:

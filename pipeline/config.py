@@ -178,6 +178,8 @@ class CompressStage(StageBase):
     codec: Literal["none", "zstd"] = "zstd"
     level: Annotated[StrictInt, Field(ge=-7, le=22)] = 3
     threads: Annotated[StrictInt, Field(ge=0)] = 0
+    # Byte-shuffle by the chunk's element size before zstd (auto), or compress the bytes as they are (off).
+    shuffle: Literal["auto", "off"] = "auto"
 
 
 class PersistStage(StageBase):

@@ -220,9 +220,10 @@ class CheckpointJob:
         stage = self.ctx.config.stage_of_kind("compress")
         if stage is None or stage.codec == "none" or not len(chunk.raw):
             return chunk
-        packed = await run_blocking(self.ctx.compute, codecs.compress, chunk.raw, stage.level, stage.threads)
+        width = chunk.element_size if stage.shuffle == "auto" else 1
+        packed = await run_blocking(self.ctx.compute, codecs.compress, chunk.raw, stage.level, stage.threads, width)
         if packed is not None:
-            chunk.stored, chunk.codec = packed, "zstd"
+            chunk.stored, chunk.codec, chunk.shuffle = packed.data, packed.codec, packed.shuffle
             if chunk.slab is not None:
                 self._release(chunk.slab)  # the compressed copy is independent: free the slab early
                 chunk.slab = None

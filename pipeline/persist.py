@@ -51,7 +51,12 @@ class FrameWriter:
         self._end = max(self._end, offset + length)
         digest = await run_blocking(self._pool, _hash_and_write, self._fd, payload, offset)
         self._frames[index] = FrameRecord(
-            offset=offset, length=length, raw_length=len(chunk.raw), codec=chunk.codec, checksum=digest
+            offset=offset,
+            length=length,
+            raw_length=len(chunk.raw),
+            codec=chunk.codec,
+            shuffle=chunk.shuffle,
+            checksum=digest,
         )
         await self._throttle(length)
         return index

@@ -41,6 +41,8 @@ class Chunk:
     raw: memoryview
     slab: Slab | None = None
     codec: str = "none"
+    shuffle: int = 1
+    element_size: int = 1  # the byte-shuffle width that suits this chunk's dtypes
     stored: memoryview | bytes | None = None
     object_lengths: dict[str, int] = field(default_factory=dict)
 

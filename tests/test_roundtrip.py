@@ -17,6 +17,7 @@ from providers import (
     StatefulProvider,
 )
 from tiers.dtypes import DTYPES
+from tiers.format import read_manifest
 from tiers.reader import load
 
 
@@ -164,3 +165,23 @@ def test_compression_shrinks_compressible_state(make_runner):
     _scramble(tensors)
     runner.restore(1)
     assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+
+
+def test_byte_shuffle_makes_bf16_weights_smaller_and_round_trips(make_runner, tmp_path):
+    weights = {"w": torch.randn(1 << 21, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    expected = weights["w"].clone()
+    stored = {}
+    for mode in ("off", "auto"):
+        runner = make_runner(
+            pipeline__stages__compress__codec="zstd", pipeline__stages__compress__shuffle=mode, chunk_size="1MiB"
+        )
+        runner.register(t=TensorDictProvider(weights))
+        result = runner.checkpoint(1 if mode == "off" else 2).result()
+        stored[mode] = result.stored_bytes
+        frames = [frame for file in read_manifest(result.path).files.values() for frame in file.frames]
+        assert {f.shuffle for f in frames} == ({1} if mode == "off" else {2})
+        weights["w"].zero_()
+        runner.restore(result.step)
+        assert torch.equal(weights["w"], expected)
+    assert stored["auto"] < stored["off"] < expected.numel() * 2
+

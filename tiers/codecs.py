@@ -1,20 +1,35 @@
-"""Frame codecs: how a chunk's bytes are stored. ``none`` or ``zstd``.
+"""Frame codecs: how a chunk's bytes are stored. ``none``, or ``zstd`` after an optional byte shuffle.
 
-Compression is decided per chunk and skipped when it does not shrink the chunk, so incompressible
-data (random-looking fp32 weights) costs one attempt, never extra bytes on disk.
+Float weights compress poorly as they are: each value's sign/exponent byte sits next to its noisy
+mantissa bytes. Splitting the bytes of each element into planes (all first bytes, then all
+second bytes, ...) puts the low-entropy exponent bytes together, which is where zstd wins on bf16,
+fp16 and fp32. The shuffle width is the chunk's element size, chosen per chunk from its dtypes.
+Compression is skipped when it does not shrink the chunk, so incompressible data costs one
+attempt, never extra bytes on disk.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+from dataclasses import dataclass
 
+import torch
 import zstandard
 
 _local = threading.local()
+SHUFFLE_WIDTHS = (1, 2, 4, 8, 16)
 
 
 class CodecError(ValueError):
     """A frame that cannot be decoded with the codec its manifest names."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    data: bytes
+    codec: str
+    shuffle: int
 
 
 def _compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
@@ -26,13 +41,34 @@ def _compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
     return cache[key]
 
 
-def compress(raw: bytes | memoryview, level: int, threads: int = 0) -> bytes | None:
-    """zstd-compress ``raw``; None when the result would not be smaller (store raw instead)."""
-    packed = _compressor(level, threads).compress(raw)
-    return packed if len(packed) < len(raw) else None
+def _planes(data: bytes | memoryview, width: int, inverse: bool) -> bytes | memoryview:
+    if width == 1 or not len(data):
+        return data
+    with warnings.catch_warnings():  # read-only input is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+    shape = (width, -1) if inverse else (-1, width)
+    return memoryview(flat.view(shape).t().contiguous().numpy()).cast("B")
 
 
-def decompress(stored: bytes | memoryview, codec: str, raw_length: int) -> bytes | memoryview:
+def shuffle(data: bytes | memoryview, width: int) -> bytes | memoryview:
+    """Byte planes of ``width``-byte elements; ``len(data)`` must be a multiple of ``width``."""
+    return _planes(data, width, inverse=False)
+
+
+def unshuffle(data: bytes | memoryview, width: int) -> bytes | memoryview:
+    return _planes(data, width, inverse=True)
+
+
+def compress(raw: bytes | memoryview, level: int, threads: int = 0, width: int = 1) -> Encoded | None:
+    """zstd-compress ``raw`` (byte-shuffled by ``width`` first); None when that would not shrink it."""
+    if width not in SHUFFLE_WIDTHS or len(raw) % width:
+        width = 1
+    packed = _compressor(level, threads).compress(shuffle(raw, width))
+    return Encoded(packed, "zstd", width) if len(packed) < len(raw) else None
+
+
+def decompress(stored: bytes | memoryview, codec: str, raw_length: int, width: int = 1) -> bytes | memoryview:
     if codec == "none":
         return stored
     if codec != "zstd":
@@ -43,4 +79,6 @@ def decompress(stored: bytes | memoryview, codec: str, raw_length: int) -> bytes
         raise CodecError(f"zstd frame does not decode: {exc}") from None
     if len(raw) != raw_length:
         raise CodecError(f"zstd frame decodes to {len(raw)} bytes, manifest says {raw_length}")
-    return raw
+    if width not in SHUFFLE_WIDTHS or raw_length % width:
+        raise CodecError(f"invalid shuffle width {width} for {raw_length} bytes")
+    return unshuffle(raw, width)

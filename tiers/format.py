@@ -61,6 +61,7 @@ class FrameRecord(_Strict):
     length: NonNegative
     raw_length: NonNegative
     codec: Literal["none", "zstd"]
+    shuffle: Literal[1, 2, 4, 8, 16] = 1
     checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 
 
@@ -190,8 +191,10 @@ def check_consistency(manifest: Manifest, source: str) -> None:
         for i, frame in enumerate(record.frames):
             if frame.offset < end or frame.offset + frame.length > record.size:
                 raise ManifestError(f"{source}: file {name} frame {i} overlaps or lies outside the file")
-            if frame.codec == "none" and frame.length != frame.raw_length:
-                raise ManifestError(f"{source}: file {name} frame {i} is uncompressed but lengths differ")
+            if frame.codec == "none" and (frame.length != frame.raw_length or frame.shuffle != 1):
+                raise ManifestError(f"{source}: file {name} frame {i} is uncompressed but lengths or shuffle differ")
+            if frame.raw_length % frame.shuffle:
+                raise ManifestError(f"{source}: file {name} frame {i}: shuffle width does not divide its length")
             end = frame.offset + frame.length
     for name in manifest.indexes:
         if not re.match(r"^rank-\d{5}\.index$", name):

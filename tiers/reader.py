@@ -105,7 +105,7 @@ def _read_frame(fd: int, frame: FrameRecord, pieces: list[tuple[str, Piece]], de
     if views is not None:
         return
     try:
-        raw = memoryview(decompress(stored, frame.codec, frame.raw_length))
+        raw = memoryview(decompress(stored, frame.codec, frame.raw_length, frame.shuffle)).cast("B")
     except CodecError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     for key, piece in ordered:
