@@ -24,7 +24,6 @@ class CheckpointResult:
     path: Path
     raw_bytes: int
     stored_bytes: int
-    blocked_s: float
     capture_s: float
     durable_s: float
 
@@ -32,6 +31,8 @@ class CheckpointResult:
 class CheckpointHandle:
     def __init__(self, step: int) -> None:
         self.step = step
+        # Seconds the trainer spent in checkpoint() plus in the step pre-hook waiting for this capture.
+        # Kept here, not in the result: the pre-hook may still add to it after the result exists.
         self.blocked_s = 0.0
         self.skipped = False
         self.error: BaseException | None = None

@@ -31,7 +31,6 @@ from pipeline.plan import plan_checkpoint
 from pipeline.restore import RestoreResult, restore_into
 from providers.base import StateProvider
 from providers.composite import CompositeProvider
-from providers.items import TensorItem
 from tiers.filesystem import FilesystemTier
 from tiers.hostcache import HostCache
 
@@ -113,7 +112,7 @@ class Runner:
                 previous.wait()
             try:
                 plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
-                ready = record_ready_event([t.tensor for t in plan.tensors if isinstance(t, TensorItem)])
+                ready = record_ready_event([item.tensor for item in plan.tensors])
             except Exception as exc:  # a provider bug must not stop training
                 log.error("checkpoint step %d failed while describing state: %s", step, exc)
                 handle._set_failed(exc)
@@ -153,7 +152,6 @@ class Runner:
                 path=path,
                 raw_bytes=job.stats.raw_bytes,
                 stored_bytes=job.stats.stored_bytes,
-                blocked_s=handle.blocked_s,
                 capture_s=job.stats.capture_s,
                 durable_s=job.stats.durable_s,
             )

@@ -32,6 +32,7 @@ class HostCache:
         self.slab_count = size // slab_size
         self.pinned = pinned
         self._pool = torch.empty(self.slab_count * slab_size, dtype=torch.uint8, pin_memory=pinned)
+        self._pool.zero_()  # fault every page in now, not during the first checkpoint's capture
         self._slabs = [Slab(i, self._pool[i * slab_size : (i + 1) * slab_size]) for i in range(self.slab_count)]
         self._free: asyncio.Queue[Slab] | None = None
         self.in_use = 0
