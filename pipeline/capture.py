@@ -13,6 +13,7 @@ import torch
 
 from pipeline.plan import ChunkPlan, TensorPiece
 from pipeline.units import Chunk, ChunkEntry
+from tiers import faults
 from tiers.hostcache import Slab
 
 
@@ -50,6 +51,7 @@ class SlabCopier:
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
+        faults.point("capture")
         return Chunk(entries=entries, raw=slab.view(plan.nbytes), slab=slab, element_size=_dominant_element_size(plan))
 
     def _copy_from_gpu(self, pieces: list[TensorPiece], dst: torch.Tensor, ready: torch.cuda.Event | None) -> None:

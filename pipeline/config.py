@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from tiers.policy import FlushPolicy, RetentionPolicy
+
 __all__ = [
     "STAGE_KINDS",
     "CaptureStage",
@@ -134,9 +136,15 @@ class HostCacheConfig(_Strict):
 
 
 class TierConfig(_Strict):
-    """One durable filesystem tier (local NVMe, a parallel file system mount, any directory)."""
+    """One durable filesystem tier (local NVMe, a parallel file system mount, any directory).
+
+    ``retention`` says which checkpoints it keeps; ``flush`` makes it receive background copies of
+    the checkpoints the persist tier commits (see tiers/policy.py, shared with the CLI).
+    """
 
     path: Path
+    retention: RetentionPolicy = RetentionPolicy()
+    flush: FlushPolicy | None = None
 
     @field_validator("path", mode="before")
     @classmethod
@@ -188,6 +196,15 @@ class PersistStage(StageBase):
     kind: Literal["persist"] = "persist"
     tier: str
     bandwidth: Annotated[ByteSize, _at_least(1)] | None = None
+    # Transient write errors (ENOSPC, EIO, ...) of a frame or the index are retried this many times,
+    # waiting `backoff` seconds before the first retry and doubling; fsync and commit are never retried.
+    retries: Annotated[StrictInt, Field(ge=0, le=100)] = 0
+    backoff: Annotated[float, Field(gt=0, le=600)] = 0.5
+    # auto: raw slabs are written with O_DIRECT where the file system allows it (no page-cache copy);
+    # buffered: always through the page cache (for file systems whose O_DIRECT path is slow).
+    io: Literal["auto", "buffered"] = "auto"
+    # frames: the tierstate data file; hdf5: an HDF5 file per rank, one dataset per tensor (tiers/hdf5.py).
+    format: Literal["frames", "hdf5"] = "frames"
 
 
 StageConfig = Annotated[
@@ -246,13 +263,16 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _semantics(self) -> PipelineConfig:
-        problems = list(_graph_problems(self.pipeline.stages))
+        graph = list(_graph_problems(self.pipeline.stages))
+        problems = list(graph)
         for name, stage in self.pipeline.stages.items():
             if isinstance(stage, PersistStage) and stage.tier not in self.tiers:
                 problems.append((
                     f"pipeline.stages.{name}.tier",
                     f"tier {stage.tier!r} is not defined under tiers (defined: {', '.join(self.tiers)})",
                 ))
+        if not graph:  # these walk the chain, which a broken graph (a cycle, a dangling next) does not have
+            problems += _tier_format_problems(self)
         if self.host_cache.size < 2 * self.chunk_size:
             chunk = self.chunk_size.human_readable()
             problems.append((
@@ -289,6 +309,26 @@ class PipelineConfig(_Strict):
         persist = self.stage_of_kind("persist")
         assert isinstance(persist, PersistStage)  # guaranteed by _semantics
         return persist.tier
+
+
+def _tier_format_problems(config: PipelineConfig) -> list[tuple[str, str]]:
+    """A flush into the tier being persisted to would copy a checkpoint onto itself; HDF5 datasets
+    are stored raw, so they cannot take compressed chunks."""
+    problems = []
+    persist = config.stage_of_kind("persist")
+    if persist is not None and persist.tier in config.tiers and config.tiers[persist.tier].flush is not None:
+        problems.append((
+            f"tiers.{persist.tier}.flush",
+            f"the persist stage writes to {persist.tier!r}; flush copies from it to other tiers, so set flush there",
+        ))
+    compress = config.stage_of_kind("compress")
+    if persist is not None and persist.format == "hdf5" and compress is not None and compress.codec != "none":
+        name = next(n for n, s in config.pipeline.stages.items() if s is compress)
+        problems.append((
+            f"pipeline.stages.{name}.codec",
+            "format hdf5 stores datasets uncompressed; set codec: none (or use format: frames)",
+        ))
+    return problems
 
 
 def _graph_problems(stages: Mapping[str, StageBase]) -> Iterator[tuple[str, str]]:

@@ -40,6 +40,8 @@ class CheckpointHandle:
         self._done = threading.Event()
         self._tiers: dict[str, Path] = {}
         self._result: CheckpointResult | None = None
+        # Background flushes to slower tiers that failed (tier -> error); the checkpoint itself is fine.
+        self.flush_errors: dict[str, BaseException] = {}
 
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else "failed" if self.error else "durable" if self._result else "in flight"
@@ -84,6 +86,13 @@ class CheckpointHandle:
         self._result = result
         self._captured.set()
         self._done.set()
+
+    def _set_persisted(self, tier: str, path: Path) -> None:
+        """A background flush committed (and verified) a copy on ``tier``."""
+        self._tiers[tier] = path
+
+    def _set_flush_failed(self, tier: str, error: BaseException) -> None:
+        self.flush_errors[tier] = error
 
     def _set_failed(self, error: BaseException) -> None:
         self.error = error

@@ -19,9 +19,12 @@ from pathlib import Path
 import torch
 
 from pipeline.capture import SlabCopier
+from pipeline.commit import Commit, TierCommit
 from pipeline.config import PipelineConfig, StageConfig
+from pipeline.hdf5_persist import Hdf5Writer, write_chunk
 from pipeline.persist import FrameWriter
 from pipeline.plan import CheckpointPlan, ChunkPlan
+from pipeline.retry import RetryPolicy, storage_call
 from pipeline.units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
 from tiers import codecs
 from tiers.dtypes import dtype_name
@@ -67,6 +70,7 @@ class JobContext:
     io: concurrent.futures.Executor
     copier: SlabCopier
     rank: int = 0
+    commit: Commit | None = None  # None: this process alone commits on ``tier``
 
 
 class CheckpointJob:
@@ -89,31 +93,52 @@ class CheckpointJob:
         self._object_lengths: dict[str, int] = {}
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
-        self._writer: FrameWriter | None = None
+        self._writer: FrameWriter | Hdf5Writer | None = None
 
     async def run(self) -> Path:
         tier = self.ctx.tier
-        partial = await run_blocking(self.ctx.io, tier.begin, self.step)
+        commit = self.ctx.commit or TierCommit(tier)
+        partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, self.plan)
+        self._to_capture = len(self.plan.chunks)  # with many ranks, only this rank's share
+        persist = self._persist_stage()
+        retry = RetryPolicy(persist.retries, persist.backoff)
         try:
             if not self._to_capture:
                 self._captured()
-            self._writer = FrameWriter(
-                partial / data_file_name(self.ctx.rank),
-                self.ctx.config.align,
-                self._persist_stage().bandwidth,
-                self.ctx.io,
-            )
+            if persist.format == "hdf5":
+                self._writer = await run_blocking(
+                    self.ctx.io, Hdf5Writer, partial, self.ctx.rank, self.plan, self.step,
+                    self.ctx.config.align, persist.bandwidth, self.ctx.io,
+                )
+            else:
+                data_path = partial / data_file_name(self.ctx.rank)
+                self._writer = await storage_call(
+                    self.ctx.io,
+                    f"tier {tier.name}: creating {data_path}",
+                    FrameWriter,
+                    data_path,
+                    self.ctx.config.align,
+                    self._persist_stage().bandwidth,
+                    self.ctx.io,
+                    self._persist_stage().io,
+                    retry,
+                )
             await self._flow()
-            file = await run_blocking(self.ctx.io, self._writer.finish)
+            where = f"tier {tier.name}: fsync of {self._writer.path}"
+            file = await storage_call(self.ctx.io, where, self._writer.finish)
             manifest = self._manifest(file.model_copy())
             index = index_bytes(self.ctx.rank, self.step, file, manifest.items)
-            await run_blocking(self.ctx.io, write_durably, partial / index_file_name(self.ctx.rank), index)
+            index_path = partial / index_file_name(self.ctx.rank)
+            await storage_call(
+                self.ctx.io, f"tier {tier.name}: writing {index_path}", write_durably, index_path, index, retry=retry
+            )
             manifest = manifest.model_copy(update={"indexes": {index_file_name(self.ctx.rank): checksum(index)}})
-            final = await run_blocking(self.ctx.io, tier.commit, self.step, manifest)
-        except BaseException:
+            where = f"tier {tier.name}: committing {partial}"
+            final = await storage_call(self.ctx.io, where, commit.commit, self.step, manifest)
+        except BaseException as exc:
             if self._writer is not None:
                 self._writer.close()
-            await run_blocking(self.ctx.io, tier.abort, self.step)
+            await run_blocking(self.ctx.io, commit.abort, self.step, exc)
             raise
         finally:
             for slab in list(self._held):
@@ -221,6 +246,20 @@ class CheckpointJob:
         if stage is None or stage.codec == "none" or not len(chunk.raw):
             return chunk
         width = chunk.element_size if stage.shuffle == "auto" else 1
+        cache = self.ctx.cache
+        if chunk.slab is not None and cache.scratch_count:
+            # Shuffle into a scratch slab, stream the frame back into the chunk's own slab: compression
+            # allocates nothing outside the host cache (the slab is then held until persisted).
+            scratch = await cache.acquire_scratch()
+            try:
+                done = await run_blocking(
+                    self.ctx.compute, codecs.compress_into, chunk.raw, scratch.tensor, stage.level, stage.threads, width
+                )
+            finally:
+                cache.release_scratch(scratch)
+            if done is not None:
+                chunk.stored, chunk.codec, chunk.shuffle = chunk.slab.view(done[0]), "zstd", done[1]
+            return chunk
         packed = await run_blocking(self.ctx.compute, codecs.compress, chunk.raw, stage.level, stage.threads, width)
         if packed is not None:
             chunk.stored, chunk.codec, chunk.shuffle = packed.data, packed.codec, packed.shuffle
@@ -231,17 +270,8 @@ class CheckpointJob:
 
     async def _persist(self, chunk: Chunk) -> None:
         assert self._writer is not None
-        frame = await self._writer.write(chunk)
-        for entry in chunk.entries:
-            self._pieces[entry.key].append(
-                Piece(
-                    file=self._writer.name,
-                    frame=frame,
-                    offset=entry.chunk_offset,
-                    length=entry.length,
-                    item_offset=entry.item_offset,
-                )
-            )
+        for key, piece in await write_chunk(self._writer, chunk):
+            self._pieces[key].append(piece)
         self.stats.raw_bytes += len(chunk.raw)
         self.stats.stored_bytes += len(chunk.payload)
         self.stats.chunks += 1

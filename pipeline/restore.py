@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from providers.composite import CompositeProvider
 from tiers.filesystem import FilesystemTier
-from tiers.format import ManifestError
+from tiers.format import Manifest, ManifestError
+from tiers.locks import reading
 from tiers.reader import CorruptCheckpointError, read_items
 
 log = logging.getLogger("tierstate")
+
+
+CopyReader = Callable[[Path, Manifest, list[str]], dict[str, Any]]
+"""Reads the given items of one committed copy: (its directory, its manifest, item keys) -> state."""
 
 
 class NoCheckpointError(FileNotFoundError):
@@ -31,6 +38,7 @@ class RestoreResult:
     path: Path
     bytes_read: int
     seconds: float
+    problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
 
 
 def resolve_step(tiers: list[FilesystemTier], which: int | str) -> int:
@@ -46,24 +54,51 @@ def resolve_step(tiers: list[FilesystemTier], which: int | str) -> int:
 
 
 def restore_into(
-    provider: CompositeProvider, tiers: list[FilesystemTier], which: int | str, allow_pickle: bool
+    provider: CompositeProvider,
+    tiers: list[FilesystemTier],
+    which: int | str,
+    allow_pickle: bool,
+    fallback: bool = False,
+    read: CopyReader | None = None,
 ) -> RestoreResult:
-    """Restore ``which`` into ``provider``'s children; only their items are read."""
-    step = resolve_step(tiers, which)
-    problems = []
-    for tier in tiers:
-        if step not in tier.steps():
-            continue
-        started = time.perf_counter()
-        try:
-            manifest = tier.manifest(step)
-            keys = [k for k in manifest.items if k.split("/", 1)[0] in provider.children]
-            state = read_items(tier.step_dir(step), manifest, keys, allow_pickle=allow_pickle)
-        except (ManifestError, CorruptCheckpointError, OSError) as exc:
-            log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
-            problems.append(f"{tier.name}: {exc}")
-            continue
-        provider.restore(state)
-        return RestoreResult(step, tier.name, tier.step_dir(step), manifest.raw_bytes, time.perf_counter() - started)
+    """Restore ``which`` into ``provider``'s children; only their items are read.
+
+    ``read`` reads one copy (by default this process reads all of it); with many ranks it is a
+    collective that every rank enters for the same copy and that fails on all of them alike.
+
+    Another tier's copy of the same step is always tried, since it holds the same verified bytes.
+    An older step is tried only with ``fallback``, because it silently loses training progress
+    otherwise; every copy skipped is logged and listed in the result's ``problems``.
+    """
+    if read is None:
+
+        def read(directory: Path, manifest: Manifest, keys: list[str]) -> dict[str, Any]:
+            return read_items(directory, manifest, keys, allow_pickle=allow_pickle)
+
+    wanted = resolve_step(tiers, which)
+    candidates = [wanted]
+    if fallback:
+        candidates += sorted({s for tier in tiers for s in tier.steps() if s < wanted}, reverse=True)
+    problems: list[str] = []
+    for step in candidates:
+        for tier in tiers:
+            if step not in tier.steps():
+                continue
+            started = time.perf_counter()
+            try:
+                with reading(tier.step_dir(step)):  # retention cannot delete it while it is being read
+                    manifest = tier.manifest(step)
+                    keys = [k for k in manifest.items if k.split("/", 1)[0] in provider.children]
+                    state = read(tier.step_dir(step), manifest, keys)
+            except (ManifestError, CorruptCheckpointError, OSError) as exc:
+                log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
+                problems.append(f"step {step} on tier {tier.name}: {exc}")
+                continue
+            if step != wanted:
+                log.warning("restore: step %d is unusable, fell back to step %d", wanted, step)
+            provider.restore(state)
+            seconds = time.perf_counter() - started
+            return RestoreResult(step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems))
     detail = "; ".join(problems) if problems else "no tier holds it"
-    raise NoCheckpointError(f"cannot restore step {step}: {detail}")
+    older = " or any older step" if fallback else ""
+    raise NoCheckpointError(f"cannot restore step {wanted}{older}: {detail}")

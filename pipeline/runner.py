@@ -11,7 +11,6 @@ follows ``policies.in_flight`` (wait or skip), so nothing queues without bound.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import logging
 import os
@@ -25,6 +24,9 @@ import torch
 
 from pipeline.capture import SlabCopier, record_ready_event
 from pipeline.config import PipelineConfig, load_config
+from pipeline.dist_restore import restore_across_ranks
+from pipeline.distributed import DistributedCommit, group_for_runner
+from pipeline.flush import Flusher, FlushFailure
 from pipeline.handle import CheckpointHandle, CheckpointResult
 from pipeline.job import CheckpointJob, JobContext, JobStats
 from pipeline.plan import plan_checkpoint
@@ -45,16 +47,29 @@ def _first_leaf(error: BaseException) -> BaseException:
 
 
 class Runner:
-    def __init__(self, config: PipelineConfig, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        rank: int | None = None,
+        *,
+        distributed: bool | None = None,
+        group_timeout: float = 600.0,
+    ) -> None:
+        """``distributed``: None = across all ranks when torch.distributed runs on several (then every
+        rank must build its runner at the same point); ``group_timeout``: seconds a checkpoint
+        collective waits for the slowest rank before the checkpoint fails."""
         self.config = config
-        self.rank = rank
+        self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
+        self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
         self.tiers = [FilesystemTier(name, tier.path) for name, tier in config.tiers.items()]
         pinned = config.host_cache.pinned
         if pinned == "auto":
             pinned = torch.cuda.is_available()
         slab = max(4096, config.chunk_size // 4096 * 4096)
-        self.cache = HostCache(config.host_cache.size, slab, pinned=bool(pinned))
+        compress = config.stage_of_kind("compress")
+        scratch = compress.workers if compress is not None and compress.codec != "none" else 0
+        self.cache = HostCache(config.host_cache.size, slab, pinned=bool(pinned), scratch=scratch)
         stage_workers = max(s.workers for _, s in config.chain() if s.kind != "persist")
         self._compute = concurrent.futures.ThreadPoolExecutor(stage_workers, thread_name_prefix="tierstate-cpu")
         self._io = concurrent.futures.ThreadPoolExecutor(
@@ -68,13 +83,24 @@ class Runner:
         self._lock = threading.Lock()
         self._closed = False
         self.history: list[tuple[CheckpointHandle, JobStats]] = []
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # Background flushes to slower tiers and retention (pipeline/flush.py); only the committing rank's.
+        leader = self._group is None or self._group.is_leader
+        self._flusher = Flusher(config, self.tiers, self._loop, active=leader)
+        self.flush_failures: list[FlushFailure] = []
+        # Not atexit.register: at interpreter exit the thread pools refuse new work before atexit
+        # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
+        # hooks run earlier, newest first, so this one runs before the pools shut down.
+        threading._register_atexit(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_yaml(
-        cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None, rank: int = 0
+        cls,
+        path: str | os.PathLike[str],
+        overrides: Mapping[str, Any] | None = None,
+        rank: int | None = None,
+        **options: Any,
     ) -> Runner:
-        return cls(load_config(path, overrides), rank=rank)
+        return cls(load_config(path, overrides), rank=rank, **options)
 
     # --- wiring -------------------------------------------------------------------------------
     def register(self, **providers: StateProvider) -> None:
@@ -110,17 +136,24 @@ class Runner:
                     handle.blocked_s = time.perf_counter() - started
                     return handle
                 previous.wait()
+            declined = None
             try:
                 plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
                 ready = record_ready_event([item.tensor for item in plan.tensors])
             except Exception as exc:  # a provider bug must not stop training
                 log.error("checkpoint step %d failed while describing state: %s", step, exc)
-                handle._set_failed(exc)
-                handle.blocked_s = time.perf_counter() - started
-                return handle
+                if self._group is None:
+                    handle._set_failed(exc)
+                    handle.blocked_s = time.perf_counter() - started
+                    return handle
+                # The other ranks are opening this step: this one must take part, to decline it.
+                declined, plan, ready = exc, plan_checkpoint([], self.cache.slab_size), None
             self._inflight = handle
+            many = self._group is not None
+            slab = self.cache.slab_size
+            commit = DistributedCommit(self._group, self.durable_tier, slab, declined) if many else None
             ctx = JobContext(
-                self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank
+                self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )
             job = CheckpointJob(ctx, step, plan, ready, lambda: handle._set_captured())
             asyncio.run_coroutine_threadsafe(self._run(job, handle), self._loop)
@@ -156,6 +189,7 @@ class Runner:
                 durable_s=job.stats.durable_s,
             )
         )
+        self._flusher.committed(handle)
 
     def wait_captured(self) -> float:
         """Block until the pending checkpoint's tensors are copied out; returns the seconds blocked."""
@@ -175,23 +209,34 @@ class Runner:
             handle.wait()
 
     # --- restore ------------------------------------------------------------------------------
-    def restore(self, which: int | str = "latest") -> RestoreResult:
-        """Load a committed checkpoint into the registered providers, in place; fastest tier first."""
+    def restore(self, which: int | str = "latest", fallback: bool = False) -> RestoreResult:
+        """Load a committed checkpoint into the registered providers, in place; fastest tier first.
+
+        ``fallback=True``: if no copy of ``which`` reads clean, take the newest older step that does.
+        """
         self.wait()
-        return restore_into(self.providers, self.tiers, which, allow_pickle=self.config.policies.allow_pickle)
+        allow_pickle = self.config.policies.allow_pickle
+        if self._group is not None:
+            return restore_across_ranks(self._group, self.providers, self.tiers, which, allow_pickle, fallback)
+        return restore_into(self.providers, self.tiers, which, allow_pickle=allow_pickle, fallback=fallback)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Drain: the checkpoint in flight becomes durable or is reported failed; then stop threads."""
+        """Drain: the checkpoint in flight becomes durable or is reported failed, every background flush
+        finishes or is reported (``flush_failures``, and each handle's ``flush_errors``); then stop threads."""
         if self._closed:
             return
         self._closed = True
         self.wait()
+        self.flush_failures = self._flusher.drain()  # every flush done or reported
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
         self._compute.shutdown()
         self._io.shutdown()
+        self._flusher.close()
+        if self._group is not None:
+            self._group.close()
 
     def __enter__(self) -> Runner:
         return self

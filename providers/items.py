@@ -3,6 +3,12 @@
 Providers only *describe* state. A :class:`TensorItem` holds a reference to the live tensor (no
 copy: the pipeline copies it lazily, before the optimizer next mutates it); an :class:`ObjectItem`
 holds a value that is already snapshotted, because Python objects can change at any moment.
+
+With many ranks, an item says how it relates to the other ranks' items of the same key:
+``replicated=True`` means every rank holds the same value (data-parallel parameters and optimizer
+state), so one copy is written; a ``shard`` places this rank's piece in a global tensor; anything
+else is per-rank (RNG state), written by every rank. Per-rank is the default because it never loses
+data; a wrong ``replicated=True`` would keep one rank's value for all. One process ignores both.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class TensorItem:
     key: str
     tensor: torch.Tensor
     shard: ShardInfo | None = None
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor, torch.Tensor):
@@ -54,6 +61,7 @@ class ObjectItem:
     key: str
     value: Any
     serializer: Serializer = "msgpack"
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if self.serializer not in SERIALIZERS:

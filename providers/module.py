@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from providers.base import RestoreError, require_keys
-from providers.items import Item, ObjectItem, Serializer, TensorItem
+from providers.dtensor import like_live, tensor_item
+from providers.items import Item, ObjectItem, Serializer
 
 
 class ModuleProvider:
@@ -19,13 +20,17 @@ class ModuleProvider:
     ``state_dict()`` tensors share storage with the parameters, so describing costs no copy. Tied
     parameters appear under each of their names; deduplicating storage is the pipeline's business.
     Non-tensor entries (``get_extra_state()``) become object items with ``serializer``.
+
+    ``replicated=True`` says every rank holds the same values (a DDP model), so many ranks write
+    one copy; DTensor entries (FSDP2, tensor parallel) are described by their own layout.
     """
 
-    def __init__(self, module: nn.Module, serializer: Serializer = "msgpack") -> None:
+    def __init__(self, module: nn.Module, serializer: Serializer = "msgpack", replicated: bool = False) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ModuleProvider needs an nn.Module, got {type(module).__name__}")
         self.module = module
         self.serializer = serializer
+        self.replicated = replicated
 
     @property
     def _owner(self) -> str:
@@ -33,21 +38,22 @@ class ModuleProvider:
 
     def describe(self) -> list[Item]:
         return [
-            TensorItem(name, value)
+            tensor_item(name, value, self.replicated)
             if isinstance(value, torch.Tensor)
-            else ObjectItem(name, copy.deepcopy(value), self.serializer)
+            else ObjectItem(name, copy.deepcopy(value), self.serializer, self.replicated)
             for name, value in self.module.state_dict().items()
         ]
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Copy the values into the existing parameters and buffers, so optimizers keep their references."""
-        expected = set(self.module.state_dict())
+        live = self.module.state_dict()
+        expected = set(live)
         require_keys(self._owner, state, expected)
         unexpected = sorted(set(state) - expected)
         if unexpected:
             names = ", ".join(unexpected)
             raise RestoreError(f"{self._owner}: checkpoint has {len(unexpected)} item(s) the module lacks: {names}")
         try:
-            self.module.load_state_dict(dict(state), strict=True)
+            self.module.load_state_dict({k: like_live(live[k], v) for k, v in state.items()}, strict=True)
         except RuntimeError as exc:  # size mismatches, listed by name in torch's message
             raise RestoreError(f"{self._owner}: {exc}") from exc

@@ -25,15 +25,17 @@ class ObjectProvider:
         get: Callable[[], Any] | Any,
         load: Callable[[Any], None] | None = None,
         serializer: Serializer = "msgpack",
+        replicated: bool = False,
     ) -> None:
         self.get = get
         self.load = load
         self.serializer = serializer
+        self.replicated = replicated  # the same value on every rank: many ranks write it once
         self.value: Any = None
 
     def describe(self) -> list[Item]:
         value = self.get() if callable(self.get) else self.get
-        return [ObjectItem(VALUE_KEY, copy.deepcopy(value), self.serializer)]
+        return [ObjectItem(VALUE_KEY, copy.deepcopy(value), self.serializer, self.replicated)]
 
     def restore(self, state: Mapping[str, Any]) -> None:
         require_keys("object", state, {VALUE_KEY})

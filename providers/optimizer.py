@@ -19,15 +19,42 @@ class OptimizerProvider(StatefulProvider):
     After loading, every optimizer tensor that aliases an input is replaced by its own copy.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, serializer: Serializer = "msgpack") -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, serializer: Serializer = "msgpack", replicated: bool = False
+    ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"OptimizerProvider needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        super().__init__(optimizer, serializer)
+        super().__init__(optimizer, serializer, replicated)
         self.optimizer = optimizer
+        self._live: dict[tuple[int, str], torch.Tensor] = {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        # The optimizer's tensors before loading: where one matches a loaded value, the value is copied
+        # into it instead of cloned, so a restore into a live optimizer (a rollback) allocates nothing
+        # new; fresh memory must be faulted in, which is slower than the copy (~1.4 vs ~5 GB/s here).
+        self._live = {
+            (id(param), name): value
+            for param, param_state in self.optimizer.state.items()
+            for name, value in param_state.items()
+            if isinstance(value, torch.Tensor)
+        }
+        try:
+            super().restore(state)
+        finally:
+            self._live = {}
 
     def _after_load(self, state: Mapping[str, Any]) -> None:
         inputs = {v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
-        for param_state in self.optimizer.state.values():
+        live = self._live
+        for param, param_state in self.optimizer.state.items():
             for name, value in list(param_state.items()):
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in inputs:
-                    param_state[name] = value.clone()
+                    old = live.get((id(param), name))
+                    if (
+                        old is not None
+                        and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device)
+                        and old.untyped_storage().data_ptr() not in inputs
+                    ):
+                        param_state[name] = old.copy_(value)
+                    else:
+                        param_state[name] = value.clone()

@@ -24,24 +24,26 @@ class StatefulProvider:
 
     The object item (key ``"skeleton"``) holds the structure with a marker per tensor; restoring
     joins the two and calls ``load_state_dict``. Tensors handed to ``restore`` are passed on as they
-    are; subclasses whose target keeps them fix that in :meth:`_after_load`.
+    are; subclasses whose target keeps them fix that in :meth:`_after_load`. ``replicated=True``
+    says every rank holds the same state (the optimizer of a DDP model): many ranks write one copy.
     """
 
-    def __init__(self, obj: Stateful, serializer: Serializer = "msgpack") -> None:
+    def __init__(self, obj: Stateful, serializer: Serializer = "msgpack", replicated: bool = False) -> None:
         if not isinstance(obj, Stateful):
             raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict()")
         self.obj = obj
         self.serializer = serializer
+        self.replicated = replicated
 
     @property
     def _owner(self) -> str:
         return type(self.obj).__name__
 
     def describe(self) -> list[Item]:
-        skeleton, tensors = split_tensors(self.obj.state_dict())
+        skeleton, tensors = split_tensors(self.obj.state_dict(), replicated=self.replicated)
         if any(item.key == SKELETON_KEY for item in tensors):
             raise ValueError(f"{self._owner}: a tensor named {SKELETON_KEY!r} clashes with the skeleton item")
-        return [*tensors, ObjectItem(SKELETON_KEY, skeleton, self.serializer)]
+        return [*tensors, ObjectItem(SKELETON_KEY, skeleton, self.serializer, self.replicated)]
 
     def restore(self, state: Mapping[str, Any]) -> None:
         require_keys(self._owner, state, {SKELETON_KEY})

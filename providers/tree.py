@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from providers.base import RestoreError
+from providers.dtensor import tensor_item
 from providers.items import TensorItem
 
 TENSOR_MARKER = "__tierstate_tensor__"
@@ -22,13 +23,14 @@ TENSOR_MARKER = "__tierstate_tensor__"
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes)
 
 
-def split_tensors(obj: Any, key_prefix: str = "") -> tuple[Any, list[TensorItem]]:
+def split_tensors(obj: Any, key_prefix: str = "", replicated: bool = False) -> tuple[Any, list[TensorItem]]:
     """Return ``(skeleton, tensor items)`` for a nested dict/list/tuple.
 
     Tensors are referenced, not cloned: capture is lazy. The skeleton is rebuilt (containers
     fresh, other non-primitive leaves deep-copied) so that later changes to the live state, such as
     a scheduler writing ``lr`` into ``param_groups``, do not leak into a checkpoint already requested.
     Item keys are the path parts joined with ``/``, after ``key_prefix`` when one is given.
+    ``replicated`` marks the plain tensors as the same on every rank (DTensors say it themselves).
     """
     items: list[TensorItem] = []
     seen: set[str] = set()
@@ -42,7 +44,7 @@ def split_tensors(obj: Any, key_prefix: str = "") -> tuple[Any, list[TensorItem]
             if key in seen:
                 raise ValueError(f"two tensors map to the item key {key!r}; rename the keys that collide")
             seen.add(key)
-            items.append(TensorItem(key, node))
+            items.append(tensor_item(key, node, replicated))
             return {TENSOR_MARKER: key}
         if isinstance(node, Mapping):
             if TENSOR_MARKER in node:

@@ -1,8 +1,9 @@
-"""The ``tierstate`` command: look at checkpoints on their tiers without a runner.
+"""The ``tierstate`` command (also ``python -m tiers``): checkpoints on their tiers, without a runner.
 
-Tiers come from a pipeline YAML (``--config``) or from ``--tier NAME=PATH`` options, so the tool
-needs nothing but the files. Tables are printed with rich; ``--json`` prints plain JSON for scripts.
-The tiers package must not import pipeline, so the YAML is read here only for its ``tiers`` section.
+Tiers come from a pipeline YAML (``--config``) or from ``--tier NAME=PATH`` options (see
+tiers/tierspec.py), so the tool needs nothing but the files. Tables are printed with rich; ``--json``
+prints plain JSON for scripts. ``ls`` and ``inspect`` live here; the commands that move, check and
+delete checkpoints (migrate, verify, prune, gc, export) in tiers/commands.py.
 """
 
 from __future__ import annotations
@@ -13,44 +14,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
+from tiers.catalog import copy_state, leftover_entries, state_text
+from tiers.commands import add_commands
 from tiers.filesystem import FilesystemTier
-from tiers.format import AliasRecord, Manifest, ManifestError, ObjectRecord, read_manifest
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed without a traceback, exit code 2."""
-
-
-def _tiers_from_yaml(path: str) -> list[FilesystemTier]:
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UsageError(f"{path}: cannot read config: {exc}") from None
-    tiers = doc.get("tiers") if isinstance(doc, dict) else None
-    if not isinstance(tiers, dict) or not tiers:
-        raise UsageError(f"{path}: tiers: no tiers defined")
-    found = []
-    for name, spec in tiers.items():
-        if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
-            raise UsageError(f"{path}: tiers.{name}.path: expected a directory path")
-        found.append(FilesystemTier(str(name), Path(spec["path"]).expanduser().resolve()))
-    return found
+from tiers.format import (
+    AliasRecord,
+    Manifest,
+    ManifestError,
+    ObjectRecord,
+    PerRankRecord,
+    ShardedRecord,
+    read_manifest,
+)
+from tiers.tierspec import UsageError, load_tiers
 
 
 def _tiers(args: argparse.Namespace) -> list[FilesystemTier]:
-    tiers = _tiers_from_yaml(args.config) if args.config else []
-    for spec in args.tier or []:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise UsageError(f"--tier {spec!r}: expected NAME=PATH")
-        tiers.append(FilesystemTier(name, Path(path).expanduser().resolve()))
-    if not tiers:
-        raise UsageError("no tiers: give --config FILE or --tier NAME=PATH")
-    return tiers
+    return [policies.tier for policies in load_tiers(args.config, args.tier)]
 
 
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
@@ -73,6 +56,7 @@ def _summary(manifest: Manifest) -> dict[str, Any]:
         "raw_bytes": manifest.raw_bytes,
         "stored_bytes": manifest.stored_bytes,
         "files": len(manifest.files),
+        "ranks": manifest.world_size,
     }
 
 
@@ -83,6 +67,13 @@ def _item_rows(manifest: Manifest) -> list[dict[str, Any]]:
             rows.append({"key": key, "kind": "alias", "type": f"= {record.of}", "shape": "", "bytes": 0})
         elif isinstance(record, ObjectRecord):
             rows.append({"key": key, "kind": "object", "type": record.serializer, "shape": "", "bytes": record.length})
+        elif isinstance(record, PerRankRecord):
+            held = f"{len(record.ranks)} ranks"
+            rows.append({"key": key, "kind": "per-rank", "type": held, "shape": "", "bytes": manifest.item_nbytes(key)})
+        elif isinstance(record, ShardedRecord):
+            shape = "x".join(map(str, record.global_shape)) or "scalar"
+            nbytes = manifest.item_nbytes(key)
+            rows.append({"key": key, "kind": "sharded", "type": record.dtype, "shape": shape, "bytes": nbytes})
         else:
             shape = "x".join(map(str, record.shape)) or "scalar"
             rows.append(
@@ -108,15 +99,15 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_ls(args: argparse.Namespace, console: Console) -> int:
     entries = []
-    for tier in _tiers(args):
+    tiers = _tiers(args)
+    for tier in tiers:
         for step in tier.steps():
             try:
-                entry = {"tier": tier.name, "state": "committed", **_summary(tier.manifest(step))}
+                entry = {"tier": tier.name, **copy_state(tiers, tier, step), **_summary(tier.manifest(step))}
             except ManifestError as exc:
                 entry = {"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)}
             entries.append(entry)
-        for partial in tier.partials():
-            entries.append({"tier": tier.name, "step": partial.name, "state": "partial"})
+        entries += leftover_entries(tier)
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -125,13 +116,14 @@ def cmd_ls(args: argparse.Namespace, console: Console) -> int:
         table.add_column(column)
     for e in entries:
         stored = f"{e['stored_bytes']:,}" if "stored_bytes" in e else ""
-        table.add_row(e["tier"], str(e["step"]), e["state"], str(e.get("items", "")), stored, e.get("created", ""))
+        created = e.get("created", "")
+        table.add_row(e["tier"], str(e["step"]), state_text(e), str(e.get("items", "")), stored, created)
     console.print(table)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierstate", description="Inspect tierstate checkpoints across tiers.")
+    parser = argparse.ArgumentParser(prog="tierstate", description="Checkpoints across tiers: list, move, check.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", help="pipeline YAML whose tiers to use")
     common.add_argument("--tier", action="append", metavar="NAME=PATH", help="a tier directory (repeatable)")
@@ -142,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", parents=[common], help="show a checkpoint's manifest as a table")
     inspect.add_argument("target", help="a checkpoint directory, or a step number found on the tiers")
     inspect.set_defaults(fn=cmd_inspect)
+    add_commands(sub, common)
     return parser
 
 

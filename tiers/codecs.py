@@ -68,6 +68,60 @@ def compress(raw: bytes | memoryview, level: int, threads: int = 0, width: int =
     return Encoded(packed, "zstd", width) if len(packed) < len(raw) else None
 
 
+class _Overflow(Exception):
+    """The compressed stream reached the raw size: compression would not shrink this chunk."""
+
+
+class _SlabSink:
+    """A file-like target for zstd's stream writer that fills a preallocated buffer, so the compressed
+    bytes never exist as a second, chunk-sized Python object outside the host cache."""
+
+    def __init__(self, out: memoryview, limit: int) -> None:
+        self.out, self.limit, self.length = out, limit, 0
+
+    def write(self, data: bytes) -> int:
+        end = self.length + len(data)
+        if end > self.limit:
+            raise _Overflow
+        self.out[self.length : end] = data
+        self.length = end
+        return len(data)
+
+
+def compress_into(
+    raw: memoryview, scratch: torch.Tensor, level: int, threads: int = 0, width: int = 1
+) -> tuple[int, int] | None:
+    """Compress ``raw`` (writable, e.g. a host-cache slab) in place, using ``scratch`` (>= len(raw) bytes).
+
+    On success the zstd frame of the shuffled bytes is in ``raw[:length]`` and ``(length, width)``
+    is returned; None when it would not shrink, with ``raw`` as it was. Memory stays within the two
+    buffers: the shuffle goes into ``scratch`` and the frame streams back over ``raw`` (or, without a
+    shuffle, into ``scratch`` and is then copied over ``raw``).
+    """
+    n = len(raw)
+    if width not in SHUFFLE_WIDTHS or n % width:
+        width = 1
+    if n == 0:
+        return None
+    source = torch.frombuffer(raw, dtype=torch.uint8)
+    spare = scratch[:n]
+    if width > 1:
+        spare.view(width, -1).copy_(source.view(-1, width).t())
+        data, sink = memoryview(spare.numpy()), _SlabSink(raw, n - 1)
+    else:
+        data, sink = raw, _SlabSink(memoryview(spare.numpy()), n - 1)
+    try:
+        with _compressor(level, threads).stream_writer(sink, size=n, write_size=1 << 20, closefd=False) as writer:
+            writer.write(data)
+    except _Overflow:
+        if width > 1:  # raw was partly overwritten: put the original bytes back from the shuffled copy
+            source.view(-1, width).copy_(spare.view(width, -1).t())
+        return None
+    if width == 1:
+        raw[: sink.length] = sink.out[: sink.length]
+    return sink.length, width
+
+
 def decompress(stored: bytes | memoryview, codec: str, raw_length: int, width: int = 1) -> bytes | memoryview:
     if codec == "none":
         return stored

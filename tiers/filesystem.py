@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiers import faults
 from tiers.format import MANIFEST_NAME, Manifest, ManifestError, manifest_bytes, read_manifest, write_durably
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
@@ -60,7 +61,9 @@ class FilesystemTier:
                 shutil.rmtree(partial)
             partial.mkdir()
         except OSError as exc:
-            raise TierError(f"tier {self.name}: cannot create {partial}: {exc.strerror or exc}") from exc
+            # The errno is kept so callers can tell a full disk from a read-only one without parsing text.
+            raise TierError(exc.errno, f"tier {self.name}: cannot create {partial}: {exc.strerror or exc}") from exc
+        faults.point("begin", partial)
         return partial
 
     def commit(self, step: int, manifest: Manifest) -> Path:
@@ -71,8 +74,10 @@ class FilesystemTier:
                 os.fsync(handle.fileno())
         write_durably(partial / MANIFEST_NAME, manifest_bytes(manifest))
         fsync_dir(partial)
+        faults.point("commit.manifest", partial)
         final = self.step_dir(step)
         os.rename(partial, final)
+        faults.point("commit.rename", final)
         fsync_dir(self.root)
         return final
 

@@ -19,16 +19,20 @@ from typing import Annotated, Any, Literal
 
 import msgpack
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tiers.boxes import Box, tiling_problem
 from tiers.dtypes import UnknownDtypeError, dtype_from_name
 
 FORMAT_NAME = "tierstate"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"
 MANIFEST_NAME = "manifest.json"
 CODECS = ("none", "zstd")
 MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes before allocation
-DATA_FILE_RE = re.compile(r"^rank-\d{5}\.data$")
+# \Z, not $: "$" also matches before a trailing newline. .h5: the HDF5 container (tiers/hdf5.py).
+DATA_FILE_RE = re.compile(r"^rank-[0-9]{5}\.(data|h5)\Z")
+INDEX_FILE_RE = re.compile(r"^rank-[0-9]{5}\.index\Z")
+ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
 
 NonNegative = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
@@ -107,12 +111,49 @@ class AliasRecord(_Strict):
     of: str
 
 
-ItemRecord = Annotated[TensorRecord | ObjectRecord | AliasRecord, Field(discriminator="kind")]
+class ShardedRecord(_Strict):
+    """A global tensor written as shards by several ranks; together the shards tile it exactly once.
+
+    Each shard is a TensorRecord whose ``shard`` places it in the global tensor, so a reader with
+    any world size can reassemble the whole or cut out the box it needs.
+    """
+
+    kind: Literal["sharded"] = "sharded"
+    dtype: str
+    global_shape: list[NonNegative]
+    shards: list[TensorRecord]
+
+    @model_validator(mode="after")
+    def _tiles_global_tensor(self) -> ShardedRecord:
+        for shard in self.shards:
+            if shard.shard is None or shard.shard.global_shape != self.global_shape or shard.dtype != self.dtype:
+                raise ValueError(f"every shard must be {self.dtype} placed in global shape {self.global_shape}")
+        problem = tiling_problem(self.boxes(), self.global_shape)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def boxes(self) -> list[Box]:
+        return [Box(tuple(s.shard.offsets), tuple(s.shape)) for s in self.shards if s.shard is not None]
+
+
+RankRecord = Annotated[TensorRecord | ObjectRecord | AliasRecord, Field(discriminator="kind")]
+
+
+class PerRankRecord(_Strict):
+    """An item each rank holds its own value of (RNG state, per-rank counters): one record per rank."""
+
+    kind: Literal["per_rank"] = "per_rank"
+    ranks: dict[Annotated[int, Field(ge=0)], RankRecord]
+
+
+AnyRecord = TensorRecord | ObjectRecord | AliasRecord | ShardedRecord | PerRankRecord
+ItemRecord = Annotated[AnyRecord, Field(discriminator="kind")]
 
 
 class Manifest(_Strict):
     format: Literal["tierstate"] = FORMAT_NAME
-    version: int = FORMAT_VERSION
+    version: int = 1  # the oldest format that can express it: single-rank manifests stay readable by v1
     step: NonNegative
     created: str
     world_size: Annotated[int, Field(ge=1, le=1 << 20)] = 1
@@ -121,11 +162,18 @@ class Manifest(_Strict):
     items: dict[str, ItemRecord]
 
     def item_nbytes(self, key: str) -> int:
-        record = self.items[key]
+        return self.record_nbytes(self.items[key])
+
+    def record_nbytes(self, record: AnyRecord) -> int:
+        """Bytes the record's pieces hold; for the multi-rank kinds, the sum over their parts."""
         if isinstance(record, AliasRecord):
             return self.item_nbytes(record.of)
         if isinstance(record, ObjectRecord):
             return record.length
+        if isinstance(record, ShardedRecord):
+            return sum(self.record_nbytes(shard) for shard in record.shards)
+        if isinstance(record, PerRankRecord):
+            return sum(self.record_nbytes(part) for part in record.ranks.values())
         return math.prod(record.shape) * dtype_from_name(record.dtype).itemsize
 
     @property
@@ -149,15 +197,24 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     """JSON with a self-checksum over the canonical body, so an edited manifest is detected."""
     body = manifest.model_dump(mode="json")
     doc = {"manifest": body, "checksum": checksum(_canonical(body))}
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
+    # Compact on purpose: with `indent` json falls back to its pure-Python encoder, 4x slower (0.22 s
+    # vs 0.06 s for 10^4 items, on the commit path); `tierstate inspect` is the way to read one.
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _invalid(exc: ValidationError, source: str, what: str) -> ManifestError:
+    """The first schema error, at its key path: one precise problem beats a wall of pydantic text."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return ManifestError(f"{source}: invalid {what} at {where}: {first['msg']}")
 
 
 def parse_manifest(raw: bytes, source: str) -> Manifest:
     """Parse and fully validate a manifest; every problem is a ManifestError naming ``source``."""
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{source}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too-long integers, too-deep nesting
+        raise ManifestError(f"{source}: not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(doc, dict) or set(doc) != {"manifest", "checksum"} or not isinstance(doc["manifest"], dict):
         raise ManifestError(f"{source}: not a tierstate manifest (expected keys 'manifest' and 'checksum')")
     body = doc["manifest"]
@@ -175,9 +232,7 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
     try:
         manifest = Manifest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ManifestError(f"{source}: invalid manifest at {where}: {first['msg']}") from None
+        raise _invalid(exc, source, "manifest") from None
     check_consistency(manifest, source)
     return manifest
 
@@ -186,18 +241,24 @@ def check_consistency(manifest: Manifest, source: str) -> None:
     """Cross-field checks pydantic cannot express: names, bounds, coverage of every item."""
     for name, record in manifest.files.items():
         if not DATA_FILE_RE.match(name):
-            raise ManifestError(f"{source}: data file name {name!r} is not allowed (expected rank-NNNNN.data)")
+            raise ManifestError(f"{source}: data file name {name!r} is not allowed (expected rank-NNNNN.data or .h5)")
         end = 0
-        for i, frame in enumerate(record.frames):
+        # Listed in any order (HDF5 frames are recorded as they finish), but they must not overlap.
+        for i, frame in sorted(enumerate(record.frames), key=lambda indexed: indexed[1].offset):
             if frame.offset < end or frame.offset + frame.length > record.size:
                 raise ManifestError(f"{source}: file {name} frame {i} overlaps or lies outside the file")
             if frame.codec == "none" and (frame.length != frame.raw_length or frame.shuffle != 1):
                 raise ManifestError(f"{source}: file {name} frame {i} is uncompressed but lengths or shuffle differ")
+            if frame.codec == "zstd" and frame.raw_length > frame.length * ZSTD_MAX_RATIO:
+                raise ManifestError(
+                    f"{source}: file {name} frame {i} claims {frame.raw_length} bytes from {frame.length} "
+                    "compressed, more than zstd can expand"
+                )
             if frame.raw_length % frame.shuffle:
                 raise ManifestError(f"{source}: file {name} frame {i}: shuffle width does not divide its length")
             end = frame.offset + frame.length
     for name in manifest.indexes:
-        if not re.match(r"^rank-\d{5}\.index$", name):
+        if not INDEX_FILE_RE.match(name):
             raise ManifestError(f"{source}: index file name {name!r} is not allowed")
     for key, item in manifest.items.items():
         try:
@@ -208,7 +269,19 @@ def check_consistency(manifest: Manifest, source: str) -> None:
             raise ManifestError(f"{source}: item {key!r}: {exc}") from None
 
 
-def _check_item(manifest: Manifest, key: str, item: TensorRecord | ObjectRecord | AliasRecord) -> None:
+def _check_item(manifest: Manifest, key: str, item: AnyRecord) -> None:
+    if isinstance(item, ShardedRecord):
+        dtype_from_name(item.dtype)
+        for shard in item.shards:
+            _check_item(manifest, key, shard)
+        return
+    if isinstance(item, PerRankRecord):
+        beyond = [rank for rank in item.ranks if rank >= manifest.world_size]
+        if beyond:
+            raise ValueError(f"value of rank {beyond[0]}, but world_size is {manifest.world_size}")
+        for part in item.ranks.values():
+            _check_item(manifest, key, part)
+        return
     if isinstance(item, AliasRecord):
         target = manifest.items.get(item.of)
         if target is None or isinstance(target, AliasRecord):
@@ -220,7 +293,7 @@ def _check_item(manifest: Manifest, key: str, item: TensorRecord | ObjectRecord 
             raise ValueError("shard global_shape and offsets differ in rank")
         if math.prod(item.shape) * dtype.itemsize > MAX_BYTES:
             raise ValueError(f"absurd shape {item.shape}")
-    nbytes = manifest.item_nbytes(key)
+    nbytes = manifest.record_nbytes(item)
     covered = 0
     for piece in sorted(item.pieces, key=lambda p: p.item_offset):
         record = manifest.files.get(piece.file)
@@ -267,3 +340,36 @@ def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, Any]) -
     return msgpack.packb(
         {"rank": rank, "step": step, "file": file.model_dump(), "items": {k: v.model_dump() for k, v in items.items()}}
     )
+
+
+class IndexRecord(_Strict):
+    """One rank's index file: its data file's frames and the items that rank wrote."""
+
+    rank: Annotated[int, Field(ge=0, lt=1 << 20)]
+    step: NonNegative
+    file: FileRecord
+    items: dict[str, RankRecord]
+
+
+def parse_index(raw: bytes, source: str) -> IndexRecord:
+    """Parse and fully validate an index; every problem is a ManifestError naming ``source``.
+
+    An index is checked as the one-rank manifest it amounts to, so it gets the very same name,
+    bound and coverage checks; its pieces must all lie in this rank's own data file.
+    """
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ManifestError(f"{source}: not a valid index ({type(exc).__name__}: {exc})") from None
+    try:
+        index = IndexRecord.model_validate(doc)
+    except ValidationError as exc:
+        raise _invalid(exc, source, "index") from None
+    names = {p.file for record in index.items.values() for p in getattr(record, "pieces", [])}
+    own = [n for n in names if n.startswith(f"rank-{index.rank:05d}.")]
+    if len(names) > 1 or len(own) != len(names):
+        raise ManifestError(f"{source}: rank {index.rank}'s index has pieces in {sorted(names)}")
+    files = {name: index.file for name in names or {data_file_name(index.rank)}}
+    one_rank = Manifest(step=index.step, created="", world_size=index.rank + 1, files=files, items=index.items)
+    check_consistency(one_rank, source)
+    return index

@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
 
 from tiers.codecs import CodecError, decompress
 from tiers.dtypes import dtype_from_name
-from tiers.format import AliasRecord, FrameRecord, Manifest, ObjectRecord, Piece, TensorRecord, read_manifest
+from tiers.format import (
+    AliasRecord,
+    FrameRecord,
+    Manifest,
+    ObjectRecord,
+    PerRankRecord,
+    Piece,
+    ShardedRecord,
+    TensorRecord,
+    read_manifest,
+)
 from tiers.objcodec import decode_object
 
 IOV_MAX = 1024
@@ -31,6 +41,12 @@ class CorruptCheckpointError(ValueError):
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+class PieceDestination(Protocol):
+    """Where read pieces land: a writable view of exactly ``piece.length`` bytes per (key, piece)."""
+
+    def view(self, key: Hashable, piece: Piece) -> memoryview: ...
 
 
 class _Destination:
@@ -71,7 +87,9 @@ def _scatter_read(fd: int, offset: int, views: list[memoryview], where: str) -> 
                 got = 0
 
 
-def _frame_views(ordered: list[tuple[str, Piece]], length: int, dest: _Destination) -> list[memoryview] | None:
+def _frame_views(
+    ordered: list[tuple[Hashable, Piece]], length: int, dest: PieceDestination
+) -> list[memoryview] | None:
     """Destination views covering the whole frame in order (padding read into scratch), or None."""
     views, position = [], 0
     for key, piece in ordered:
@@ -88,7 +106,9 @@ def _frame_views(ordered: list[tuple[str, Piece]], length: int, dest: _Destinati
     return views
 
 
-def _read_frame(fd: int, frame: FrameRecord, pieces: list[tuple[str, Piece]], dest: _Destination, where: str) -> None:
+def _read_frame(
+    fd: int, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], dest: PieceDestination, where: str
+) -> None:
     ordered = sorted(pieces, key=lambda kp: kp[1].offset)
     views = _frame_views(ordered, frame.raw_length, dest) if frame.codec == "none" else None
     if views is not None:
@@ -112,6 +132,25 @@ def _read_frame(fd: int, frame: FrameRecord, pieces: list[tuple[str, Piece]], de
         dest.view(key, piece)[:] = raw[piece.offset : piece.offset + piece.length]
 
 
+def check_file_sizes(directory: Path, manifest: Manifest) -> None:
+    """Refuse data files shorter than the manifest says, before anything is allocated for them.
+
+    Sizes in a manifest are claims; held against the files on disk they bound every buffer a read
+    allocates by the bytes really there (times zstd's largest ratio for compressed frames), and a
+    truncation is reported at once, by file and first missing frame.
+    """
+    for name, record in manifest.files.items():
+        path = directory / name
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: data file missing") from None
+        if size < record.size:
+            cut = next((i for i, f in enumerate(record.frames) if f.offset + f.length > size), None)
+            where = path if cut is None else f"{path} frame {cut}"
+            raise CorruptCheckpointError(f"{where}: truncated ({size} bytes on disk, the manifest says {record.size})")
+
+
 def _stored_keys(manifest: Manifest, keys: Iterable[str]) -> set[str]:
     stored = set()
     for key in keys:
@@ -127,17 +166,44 @@ def read_items(
     allow_pickle: bool = False,
     workers: int = 4,
 ) -> dict[str, Any]:
-    """Read items (all by default) of the checkpoint in ``directory``: key -> tensor (CPU) or object."""
+    """Read items (all by default) of the checkpoint in ``directory``: key -> tensor (CPU) or object.
+
+    Of a multi-rank checkpoint, sharded tensors come back whole and per-rank items as rank 0's.
+    """
     manifest = manifest or read_manifest(directory)
     wanted = list(manifest.items) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in manifest.items]
     if unknown:
         raise KeyError(f"{directory}: no item(s) {', '.join(unknown[:8])}")
+    check_file_sizes(directory, manifest)
+    if any(isinstance(manifest.items[_target(manifest, k)], ShardedRecord | PerRankRecord) for k in wanted):
+        # Reassembly builds on this module (read_pieces), hence the import here and not at the top.
+        from tiers.reshard import read_global
+
+        return read_global(directory, manifest, wanted, rank=0, allow_pickle=allow_pickle, workers=workers)
     stored = _stored_keys(manifest, wanted)
     dest = _Destination(manifest, stored)
-    by_frame: dict[tuple[str, int], list[tuple[str, Piece]]] = defaultdict(list)
-    for key in stored:
-        for piece in manifest.items[key].pieces:
+    read_pieces(directory, manifest, {key: manifest.items[key].pieces for key in stored}, dest, workers)
+    values = {key: _decode(manifest.items[key], dest.buffers[key], key, allow_pickle) for key in stored}
+    return {key: values[_target(manifest, key)] for key in wanted}
+
+
+def read_pieces(
+    directory: Path,
+    manifest: Manifest,
+    wanted: Mapping[Hashable, Sequence[Piece]],
+    dest: PieceDestination,
+    workers: int = 4,
+) -> int:
+    """Read and verify every frame that holds a wanted piece, scattering the pieces into ``dest``.
+
+    Frames are the unit of verification, so a frame is read whole even when only some of its
+    bytes are wanted; each frame is read once however many pieces it holds. Returns the stored
+    bytes read.
+    """
+    by_frame: dict[tuple[str, int], list[tuple[Hashable, Piece]]] = defaultdict(list)
+    for key, pieces in wanted.items():
+        for piece in pieces:
             by_frame[(piece.file, piece.frame)].append((key, piece))
     fds: dict[str, int] = {}
     try:
@@ -163,8 +229,7 @@ def read_items(
     finally:
         for fd in fds.values():
             os.close(fd)
-    values = {key: _decode(manifest.items[key], dest.buffers[key], key, allow_pickle) for key in stored}
-    return {key: values[_target(manifest, key)] for key in wanted}
+    return sum(manifest.files[file].frames[frame].length for file, frame in by_frame)
 
 
 def _target(manifest: Manifest, key: str) -> str:

@@ -1,0 +1,119 @@
+"""Benchmark 2: time until a checkpoint is durable, next to the disk's own sequential write bandwidth.
+
+"Durable" means every byte fsync'd and the checkpoint committed (tierstate: manifest + atomic
+rename + directory fsync; torch.save: fsync + rename + directory fsync; DCP: its FileSystemWriter
+with ``sync_files=True`` and its ``.metadata`` written last). The disk is measured in the same run,
+interleaved with the methods, by writing the same number of bytes to a new file in 64 MiB blocks,
+once with O_DIRECT and once buffered, each followed by fsync. The better of the two is "the disk":
+bytes / that bandwidth is the floor no checkpointer can beat, and the target is 1.25x of it.
+
+``tierstate (io: buffered)`` is tierstate with O_DIRECT switched off, kept to show what the page
+cache costs on this machine.
+
+    python benchmarks/durable.py                  # full GPT state (~1.5 GB), ~4 min
+    python benchmarks/durable.py --preset small --repeats 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    Report,
+    bench_root,
+    build_gpt,
+    cache_for,
+    disk_write_seconds,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_s,
+    gbps,
+    interleave,
+    machine_facts,
+    make_checkpointer,
+    median,
+    save_reports,
+    time_save,
+    warn_if_busy,
+)
+
+DISK = ["disk O_DIRECT", "disk buffered+fsync"]
+METHODS = ["tierstate", "tierstate (io: buffered)", "torch.save", "dcp.save", "dcp.async_save"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="full")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    args = parser.parse_args(argv)
+    warn_if_busy()
+    state = build_gpt(args.preset)
+    nbytes = state.tensor_bytes
+    cache = cache_for(nbytes)
+    facts = machine_facts(Path("checkpoints"))
+    methods = args.methods.split(",")
+    seconds: dict[str, list[float]] = {name: [] for name in DISK + methods}
+    stored: dict[str, int] = {}
+    with bench_root("durable") as root:
+        ckpts = {}
+        for name in methods:
+            if name.startswith("tierstate"):
+                io = "buffered" if "buffered" in name else "auto"
+                ckpts[name] = make_checkpointer(name, state, root, cache_bytes=cache, io=io)
+            else:
+                ckpts[name] = make_checkpointer(name, state, root)
+        for ckpt in ckpts.values():  # warm-up, not timed
+            time_save(ckpt, 0)
+            ckpt.clear()
+        probe = root / "disk-probe.bin"
+        for repeat, name in interleave(DISK + methods, args.repeats):
+            if name in DISK:
+                seconds[name].append(disk_write_seconds(probe, nbytes, direct=name == "disk O_DIRECT"))
+                probe.unlink()
+            else:
+                ckpt = ckpts[name]
+                ckpt.clear()
+                step = repeat + 1
+                seconds[name].append(time_save(ckpt, step).durable_s)
+                stored[name] = ckpt.stored_bytes(step)
+            print(f"round {repeat + 1} {name:26s} {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
+        setups = {name: ckpt.setup for name, ckpt in ckpts.items()}
+        for ckpt in ckpts.values():
+            ckpt.close()
+
+    disk_s = min(median(seconds["disk O_DIRECT"]), median(seconds["disk buffered+fsync"]))
+    report = Report(
+        "durable",
+        f"Time to durable: {fmt_bytes(nbytes)} of GPT state ({state.n_params / 1e6:.1f} M params + AdamW), "
+        f"median of {args.repeats}, interleaved with the disk probes",
+        ["method", "time to durable", "GB/s", "÷ bytes/disk bw", "torch.save÷this", "dcp.save÷this", "bytes on disk"],
+    )
+    for name in DISK + methods:
+        t = median(seconds[name])
+        report.add(
+            name, fmt_s(t), f"{gbps(nbytes, t):.2f}", fmt_ratio(t / disk_s),
+            fmt_ratio(median(seconds["torch.save"]) / t) if "torch.save" in seconds else "-",
+            fmt_ratio(median(seconds["dcp.save"]) / t) if "dcp.save" in seconds else "-",
+            fmt_bytes(stored.get(name, nbytes)),
+        )
+    report.note(f"disk bandwidth = the better probe, {gbps(nbytes, disk_s):.2f} GB/s ({fmt_s(disk_s)} for "
+                f"{fmt_bytes(nbytes)}); target: tierstate within 1.25x of it")
+    for name in methods:
+        report.note(f"{name}: {setups[name]}")
+    report.raw = {"state_bytes": nbytes, "seconds": seconds, "stored": stored, "args": vars(args),
+                  "threads": torch.get_num_threads()}
+    report.print()
+    path = save_reports("durable", [report], facts, argv if argv is not None else sys.argv[1:])
+    print(f"raw numbers: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

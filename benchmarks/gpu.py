@@ -1,0 +1,227 @@
+"""Benchmark 6, for a machine with a CUDA GPU: device->host capture bandwidth and blocked time.
+
+1. Capture bandwidth: ``--capture-gb`` of fp32 tensors (64 MiB each) on the GPU. Baseline: one
+   plain pinned ``copy_(non_blocking=True)`` per tensor into a preallocated pinned buffer, then a
+   synchronize -- the best a device->host copy of these bytes can do. tierstate: ``checkpoint()``
+   until ``captured`` (side CUDA stream into pinned host-cache slabs, ``--chunk-mb`` each), with a
+   host cache that holds the whole state. Reported: GB/s of each and their ratio, medians.
+2. Blocked time in a GPU training loop: the example GPT on the GPU (``--d-model``/``--layers``),
+   checkpointing every ``--every`` steps, methods interleaved A B A B: none, tierstate (lazy: the
+   copies overlap the next forward/backward, the optimizer pre-hook waits only if they are still
+   running), torch.save (+fsync), DCP async_save with its pinned, non-blocking, asynchronous
+   DefaultStager. Blocked seconds per checkpoint and training slowdown vs none.
+
+Without CUDA it exits with status 2 and says so; ``--device cpu`` runs the same code on the CPU as
+a smoke test of the script only (its numbers mean nothing for GPUs).
+
+    python benchmarks/gpu.py                      # defaults sized for ~5 min on one H100/H200
+    python benchmarks/gpu.py --capture-gb 1 --d-model 512 --layers 4 --steps 9 --every 3 --repeats 1
+    python benchmarks/gpu.py --device cpu --capture-gb 0.2 --d-model 256 --layers 2 --repeats 1  # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    GB,
+    DictState,
+    MiB,
+    Report,
+    bench_root,
+    blocked_report,
+    build_gpt,
+    cache_for,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_s,
+    gbps,
+    interleave,
+    machine_facts,
+    make_checkpointer,
+    median,
+    save_reports,
+    time_save,
+    train_run,
+    warm_up,
+)
+from examples.gpt import GPTConfig  # noqa: E402
+
+METHODS = ["none", "tierstate", "torch.save", "dcp.async_save+async-staging"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_pinned_copy(tensors: list[torch.Tensor], dst: torch.Tensor) -> float:
+    """Seconds for the reference copy: every tensor's bytes into one pinned buffer, one synchronize."""
+    sync(tensors[0].device)
+    started = time.perf_counter()
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        dst[offset : offset + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+        offset += n
+    sync(tensors[0].device)
+    return time.perf_counter() - started
+
+
+def capture_bandwidth(args: argparse.Namespace, device: torch.device, root: Path) -> Report:
+    numel = 64 * MiB // 4
+    count = max(1, int(args.capture_gb * GB) // (64 * MiB))
+    tensors = {f"t{i:04d}": torch.randn(numel, device=device) for i in range(count)}
+    state = DictState(tensors)
+    nbytes = state.tensor_bytes
+    pinned = device.type == "cuda"
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    ckpt = make_checkpointer("tierstate", state, root, cache_bytes=cache_for(nbytes, args.chunk_mb * MiB),
+                             chunk_bytes=args.chunk_mb * MiB)
+    plain: list[float] = []
+    captured: list[float] = []
+    durable: list[float] = []
+    plain_pinned_copy(list(tensors.values()), dst)  # warm-up of both
+    ckpt.save(0)
+    ckpt.drain()
+    ckpt.clear()
+    for repeat, name in interleave(["plain", "tierstate"], args.repeats):
+        if name == "plain":
+            plain.append(plain_pinned_copy(list(tensors.values()), dst))
+        else:
+            sync(device)
+            record = ckpt.save(repeat + 1)
+            ckpt.wait_staged()
+            captured.append(time.perf_counter() - record.requested)
+            ckpt.drain()
+            durable.append(time.perf_counter() - record.requested)
+            ckpt.clear()
+        print(f"round {repeat + 1} {name}: {(plain if name == 'plain' else captured)[-1]:.3f} s",
+              file=sys.stderr, flush=True)
+    ckpt.close()
+    report = Report(
+        "gpu-capture",
+        f"Device->host capture of {fmt_bytes(nbytes)} ({count} x 64 MiB fp32 on {device}), median of {args.repeats}",
+        ["method", "seconds", "GB/s", "÷ plain pinned copy_"],
+    )
+    p, c = median(plain), median(captured)
+    report.add("plain pinned copy_ (one buffer, non_blocking, 1 sync)", fmt_s(p), f"{gbps(nbytes, p):.2f}", "1.00x")
+    report.add(f"tierstate capture (chunk {args.chunk_mb} MiB, side stream)", fmt_s(c), f"{gbps(nbytes, c):.2f}",
+               fmt_ratio(c / p))
+    report.add("tierstate request -> durable", fmt_s(median(durable)), f"{gbps(nbytes, median(durable)):.2f}", "-")
+    report.note(f"host cache {'pinned' if pinned else 'NOT pinned (cpu smoke test)'}, sized to hold the state")
+    report.raw = {"bytes": nbytes, "plain": plain, "captured": captured, "durable": durable}
+    del tensors, state, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
+def training_loop(args: argparse.Namespace, device: torch.device, root: Path) -> Report:
+    config = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 128),
+                       seq_len=args.seq_len, dropout=0.0)
+    state = build_gpt(config, batch_size=args.batch_size, device=device)
+    nbytes = state.tensor_bytes
+    cache = cache_for(nbytes, args.chunk_mb * MiB)
+    ckpts = {
+        name: make_checkpointer(name, state, root, cache_bytes=cache, chunk_bytes=args.chunk_mb * MiB,
+                                optimizer=state.optimizer)
+        if name == "tierstate" else make_checkpointer(name, state, root)
+        for name in METHODS
+    }
+    warm_up(ckpts.values())  # allocations, pinning, first-use costs: not timed
+    for _ in range(3):
+        state.train_step()
+    if not args.every:  # auto: an interval 1.5x as long as tierstate's time to durable, so none must queue
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(5):
+            state.train_step()
+        sync(device)
+        step_s = (time.perf_counter() - started) / 5
+        durable_s = time_save(ckpts["tierstate"], 0).durable_s
+        ckpts["tierstate"].clear()
+        ckpts["tierstate"].records.clear()
+        args.every = max(3, math.ceil(1.5 * durable_s / step_s))
+        print(f"auto interval: step {step_s * 1e3:.1f} ms, tierstate durable {durable_s:.2f} s -> every "
+              f"{args.every} steps", file=sys.stderr, flush=True)
+    if not args.steps:
+        args.steps = 3 * args.every  # two checkpoints per run, the last interval without one
+    runs: dict[str, list[dict]] = {name: [] for name in METHODS}
+    for repeat, name in interleave(METHODS, args.repeats):
+        runs[name].append(train_run(state, ckpts[name], args.steps, args.every, sync=lambda: sync(device)))
+        r = runs[name][-1]
+        print(f"round {repeat + 1} {name:30s} loop {r['loop_s']:.2f} s blocked "
+              + " ".join(f"{b:.3f}" for b in r["blocked_s"]), file=sys.stderr, flush=True)
+    setups = {name: ckpt.setup for name, ckpt in ckpts.items()}
+    for ckpt in ckpts.values():
+        ckpt.close()
+    report = blocked_report(
+        "gpu-blocked",
+        f"GPU training loop on {device}: GPT {state.n_params / 1e6:.0f} M params, state {fmt_bytes(nbytes)}, "
+        f"checkpoint every {args.every} steps, {args.steps} steps x {args.repeats} rounds",
+        runs,
+        "dcp.async_save+async-staging",
+    )
+    for name, setup in setups.items():
+        if setup:
+            report.note(f"{name}: {setup}")
+    report.raw.update({"state_bytes": nbytes, "cache_bytes": cache, "args": vars(args)})
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test of this script only)")
+    parser.add_argument("--capture-gb", type=float, default=8.0)
+    parser.add_argument("--chunk-mb", type=int, default=64, help="tierstate chunk_size in MiB")
+    parser.add_argument("--d-model", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=0, help="steps per run; 0: 3 x --every")
+    parser.add_argument("--every", type=int, default=0,
+                        help="checkpoint interval in steps; 0: auto, 1.5x tierstate's time to durable")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-capture", action="store_true")
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
+              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}). Run it on a GPU machine, "
+              "or pass --device cpu to smoke-test the script (numbers meaningless).", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    facts = machine_facts(Path("checkpoints"))
+    if device.type == "cuda":
+        facts["gpu"] = f"{torch.cuda.get_device_name(device)}, " \
+                       f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
+    facts["disk_free"] = fmt_bytes(shutil.disk_usage("checkpoints" if Path("checkpoints").exists() else ".").free)
+    reports = []
+    with bench_root("gpu") as root:
+        if not args.skip_capture:
+            reports.append(capture_bandwidth(args, device, root))
+        if not args.skip_training:
+            reports.append(training_loop(args, device, root))
+    for report in reports:
+        report.print()
+    name = "gpu" if device.type == "cuda" else "gpu-cpu-smoke"
+    path = save_reports(name, reports, facts, argv if argv is not None else sys.argv[1:])
+    print(f"raw numbers: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

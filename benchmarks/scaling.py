@@ -1,0 +1,159 @@
+"""Benchmark 4: how save times scale with the state: 10 MB .. several GB, many small vs few large
+tensors, a host cache smaller than the state, with and without compression.
+
+States are synthetic (weight-like fp32 values, normal with std 0.02), so any size and shape can be
+built. For every case each method saves the same state, interleaved over ``--repeats`` rounds, and
+the table shows for each: "free after" = from the request until the state may change again (the
+longest a trainer can be blocked: tierstate's capture, DCP async_save's staging copy, the whole
+save for synchronous methods) and "durable" = until committed on disk. Compressed cases run only
+tierstate (the competitors have no compression; their numbers are the uncompressed row's).
+
+    python benchmarks/scaling.py                   # up to 4 GB, ~8 min
+    python benchmarks/scaling.py --max-gb 0.2 --repeats 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (  # noqa: E402
+    GB,
+    GiB,
+    MiB,
+    Report,
+    SaveTiming,
+    bench_root,
+    cache_for,
+    disk_write_seconds,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_s,
+    gbps,
+    interleave,
+    machine_facts,
+    make_checkpointer,
+    median,
+    save_reports,
+    synthetic_state,
+    time_save,
+    warn_if_busy,
+)
+
+COMPETITORS = ["torch.save", "dcp.save", "dcp.async_save"]
+CACHE_CAP = 2 * GiB  # the largest host cache the sweep allocates, to stay well inside this machine's RAM
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    total: int
+    tensor: int
+    cache: int | None = None  # None: sized to hold the state (capped at CACHE_CAP)
+    codec: str = "none"
+    competitors: bool = True
+
+
+def cases(max_bytes: int) -> list[Case]:
+    sweep = [int(s * GB) for s in (0.01, 0.1, 1, 2, 4, 8) if s * GB <= max_bytes]
+    out = [Case(f"{fmt_bytes(total)} few large", total, min(64 * MiB, max(total // 4, 4096))) for total in sweep]
+    small = 10_000 * 4096
+    out += [
+        Case("10^4 x 4 KB", small, 4096),
+        Case("4 x 10 MB (same bytes)", small, small // 4),
+    ]
+    big = min(int(1 * GB), max_bytes)
+    out += [
+        Case(f"{fmt_bytes(big)}, cache 128 MiB < state", big, 64 * MiB, cache=128 * MiB),
+        Case(f"{fmt_bytes(big)}, zstd", big, 64 * MiB, codec="zstd", competitors=False),
+        Case(f"{fmt_bytes(big)}, cache 128 MiB, zstd", big, 64 * MiB, cache=128 * MiB, codec="zstd", competitors=False),
+    ]
+    return out
+
+
+def run_case(case: Case, root: Path, repeats: int) -> tuple[dict[str, list[SaveTiming]], int, int]:
+    state = synthetic_state(case.total, case.tensor)
+    nbytes = state.tensor_bytes
+    cache = case.cache or min(cache_for(nbytes), CACHE_CAP)
+    names = ["tierstate"] + (COMPETITORS if case.competitors else [])
+    ckpts = {
+        name: make_checkpointer(name, state, root, cache_bytes=cache, codec=case.codec)
+        if name == "tierstate" else make_checkpointer(name, state, root)
+        for name in names
+    }
+    timings: dict[str, list[SaveTiming]] = {name: [] for name in names}
+    try:
+        for ckpt in ckpts.values():  # warm-up, not timed
+            time_save(ckpt, 0)
+            ckpt.clear()
+        for repeat, name in interleave(names, repeats):
+            ckpts[name].clear()
+            timings[name].append(time_save(ckpts[name], repeat + 1))
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+            ckpt.clear()
+    del state, ckpts
+    gc.collect()
+    return timings, nbytes, cache
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-gb", type=float, default=4.0, help="largest state of the size sweep")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    warn_if_busy()
+    facts = machine_facts(Path("checkpoints"))
+    report = Report(
+        "scaling",
+        f"Save scaling (synthetic fp32 weights), median of {args.repeats} rounds; "
+        "each cell: free after / durable",
+        ["case", "tensors", "host cache", "tierstate", "GB/s", "torch.save", "dcp.save", "dcp.async_save",
+         "torch.save÷ts (durable)", "dcp.async÷ts (free)"],
+    )
+    raw = {}
+    with bench_root("scaling") as root:
+        probe = root / "disk-probe.bin"
+        disk_s = min(disk_write_seconds(probe, GiB, direct=True) for _ in range(2))
+        probe.unlink()
+        disk_bw = GiB / disk_s
+        for case in cases(int(args.max_gb * GB)):
+            timings, nbytes, cache = run_case(case, root, args.repeats)
+            med = {name: (median(t.staged_s for t in ts), median(t.durable_s for t in ts))
+                   for name, ts in timings.items()}
+
+            def cell(name: str, med: dict = med) -> str:
+                return f"{fmt_s(med[name][0])} / {fmt_s(med[name][1])}" if name in med else "as above"
+
+            ts_free, ts_durable = med["tierstate"]
+            report.add(
+                case.label, str(max(1, case.total // case.tensor)), fmt_bytes(cache),
+                cell("tierstate") + (f" ({case.codec})" if case.codec != "none" else ""),
+                f"{gbps(nbytes, ts_durable):.2f}",
+                cell("torch.save"), cell("dcp.save"), cell("dcp.async_save"),
+                fmt_ratio(med["torch.save"][1] / ts_durable) if "torch.save" in med else "-",
+                fmt_ratio(med["dcp.async_save"][0] / ts_free) if "dcp.async_save" in med else "-",
+            )
+            raw[case.label] = {"bytes": nbytes, "cache": cache, "codec": case.codec,
+                               "timings": {n: [vars(t) for t in ts] for n, ts in timings.items()}}
+            print(f"{case.label}: " + ", ".join(f"{n} {cell(n)}" for n in timings), file=sys.stderr, flush=True)
+    report.note(f"disk O_DIRECT write measured in this run: {disk_bw / GB:.2f} GB/s (1 GiB, best of 2)")
+    report.note("free after = request -> state may change (tierstate capture into the host cache; DCP async_save's "
+                "synchronous staging copy; the whole save for torch.save / dcp.save); durable = request -> committed")
+    report.note(f"host cache: sized to hold the state (+6%), capped at {fmt_bytes(CACHE_CAP)}, unless the case says "
+                "otherwise; a cache smaller than the state makes capture wait for persist (backpressure)")
+    report.raw = {"disk_bw": disk_bw, "cases": raw, "args": vars(args)}
+    report.print()
+    path = save_reports("scaling", [report], facts, argv if argv is not None else sys.argv[1:])
+    print(f"raw numbers: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

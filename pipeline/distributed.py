@@ -1,0 +1,316 @@
+"""Many ranks on torch.distributed: a dedicated checkpoint group and a two-phase commit over it.
+
+Every rank runs its own runner and writes its own ``rank-NNNNN.data`` / ``.index`` into the
+shared ``step-N.partial/``. A checkpoint exists only once every rank's part is durable:
+
+1. open: rank 0 creates the partial directory; all ranks exchange which replicated items they hold
+   and compute the same assignment, so each replicated item is written by exactly one rank and the
+   bytes are spread (:func:`pipeline.assign.balance`).
+2. prepare: each rank writes and fsyncs its files, then votes: its manifest part, or why it failed.
+3. decide: rank 0 merges the parts into the global manifest and publishes it by the tier's atomic
+   rename, or removes the partial directory if any rank voted no; then it tells every rank.
+
+The collectives run on a gloo group of their own, created once by the runner, so they never queue
+behind or deadlock with the training group's (NCCL) collectives, and they run in the runner's
+I/O threads, never on the trainer's. A rank that dies or stops answering makes the others'
+collectives fail (gloo notices a closed connection at once; a hung rank after the group timeout):
+no global commit happens, their handles say why, training goes on, and since the group's
+collective sequence is lost, later checkpoints fail at once with the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from pipeline.assign import balance
+from pipeline.plan import CheckpointPlan, plan_checkpoint
+from providers.items import ObjectItem, TensorItem
+from tiers.filesystem import FilesystemTier
+from tiers.format import Manifest
+from tiers.multirank import RankPart, merge_parts
+
+log = logging.getLogger("tierstate")
+T = TypeVar("T")
+
+# Fault injection for tests: "RANK:STEP" makes that rank leave the process (exit status 0, so that
+# torchrun lets the surviving ranks run on and report) after writing its files, before voting.
+EXIT_BEFORE_VOTE_ENV = "TIERSTATE_TEST_EXIT_BEFORE_VOTE"
+
+
+class CheckpointAborted(RuntimeError):
+    """A multi-rank checkpoint that was not committed; the message says which rank and why."""
+
+
+class GroupLost(CheckpointAborted):
+    """The checkpoint group cannot be used any more: a rank died, hung past the timeout, or diverged."""
+
+
+def wanted_group(distributed: bool | None) -> bool:
+    """Whether a runner works across ranks: asked for, or (None) torch.distributed runs on several."""
+    running = dist.is_available() and dist.is_initialized()
+    if distributed and not running:
+        raise RuntimeError("Runner(distributed=True) needs torch.distributed.init_process_group() first")
+    if distributed is None:
+        return running and dist.get_world_size() > 1
+    return bool(distributed)
+
+
+class CheckpointGroup:
+    """The runner's own gloo group over all ranks, plus one per node for restore's exchange.
+
+    Created collectively (every rank must construct its runner at the same point of the program).
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self.broken: str | None = None
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        hosts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        by_host: dict[str, list[int]] = defaultdict(list)
+        for rank, host in enumerate(hosts):
+            by_host[host].append(rank)
+        nodes = sorted(by_host.values())
+        self.node_ranks = by_host[hosts[self.rank]]
+        self.node = self.group
+        if len(nodes) > 1:
+            self.node, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def _run(self, what: str, fn: Callable[[], T]) -> T:
+        if self.broken is not None:
+            raise GroupLost(f"{what}: the checkpoint group is unusable since {self.broken}")
+        try:
+            return fn()
+        except Exception as exc:  # gloo: connection reset by a dead peer, timeout, or a mismatch
+            self.broken = f"{what} failed on rank {self.rank} ({type(exc).__name__}: {exc})"
+            raise GroupLost(f"{what}: lost the checkpoint group: {type(exc).__name__}: {exc}") from exc
+
+    def all_gather(self, value: Any, what: str) -> list[Any]:
+        return self._gather(value, what, self.group, self.world_size)
+
+    def node_all_gather(self, value: Any, what: str) -> list[Any]:
+        """One value per rank of this node, in the order of :attr:`node_ranks`."""
+        return self._gather(value, what, self.node, len(self.node_ranks))
+
+    def _gather(self, value: Any, what: str, group: dist.ProcessGroup, size: int) -> list[Any]:
+        out: list[Any] = [None] * size
+
+        def gather() -> list[Any]:
+            dist.all_gather_object(out, value, group=group)
+            return out
+
+        return self._run(what, gather)
+
+    def gather_to_leader(self, value: Any, what: str) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.is_leader else None
+
+        def gather() -> list[Any] | None:
+            dist.gather_object(value, out, dst=0, group=self.group)
+            return out
+
+        return self._run(what, gather)
+
+    def from_leader(self, value: Any, what: str) -> Any:
+        """The leader's ``value`` on every rank (the others pass None)."""
+        box = [value]
+
+        def broadcast() -> Any:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            return box[0]
+
+        return self._run(what, broadcast)
+
+    def node_broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        """Broadcast a host tensor from global rank ``src`` to the ranks of its node, in place."""
+        self._run(what, lambda: dist.broadcast(tensor, src=src, group=self.node))
+
+    def close(self) -> None:
+        """Release the groups, unless torch.distributed is already shut down (which released them)."""
+        if dist.is_initialized():
+            groups = {self.group, self.node}
+            for group in groups:
+                dist.destroy_process_group(group)
+
+
+def _reason(error: BaseException) -> str:
+    """What a vote says about a failure: the first real error, not the TaskGroup wrapping it."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}"
+
+
+def _replica(item: TensorItem | ObjectItem) -> tuple[tuple[str, tuple[int, ...] | None], str, int]:
+    """``(identity, signature, bytes)``: replicas share the key and the place, so shards of one tensor
+    at different offsets are different items; the signature must then agree across ranks."""
+    if isinstance(item, ObjectItem):
+        return (item.key, None), "object", 0
+    offsets = tuple(item.shard.offsets) if item.shard is not None else None
+    return (item.key, offsets), f"{str(item.tensor.dtype).removeprefix('torch.')}{list(item.tensor.shape)}", item.nbytes
+
+
+class DistributedCommit:
+    """The two-phase commit of one checkpoint on one rank (see the module docstring)."""
+
+    def __init__(
+        self, group: CheckpointGroup, tier: FilesystemTier, chunk_size: int, declined: BaseException | None = None
+    ) -> None:
+        """``declined``: why this rank cannot take part (its state failed to describe); it still
+        joins the opening, so that every rank gives the step up instead of waiting for this one."""
+        self.group = group
+        self.tier = tier
+        self.chunk_size = chunk_size
+        self.declined = declined
+        self._open = False
+        self._replicated: set[str] = set()
+
+    # --- phase 1: open ------------------------------------------------------------------------
+    def begin(self, step: int, plan: CheckpointPlan) -> tuple[Path, CheckpointPlan]:
+        refused = None if self.declined is None else _reason(self.declined)
+        if self.group.is_leader and refused is None:
+            try:
+                self.tier.begin(step)
+            except Exception as exc:
+                refused = f"could not open it: {_reason(exc)}"
+        replicas = [_replica(item) for item in [*plan.tensors, *plan.objects] if item.replicated]
+        own = sum(t.nbytes for t in plan.tensors if not t.replicated)
+        offer = {"step": step, "refused": refused, "replicas": replicas, "own_bytes": own}
+        try:
+            offers = self.group.all_gather(offer, f"step {step}: opening")
+            mine = self._my_replicas(step, offers)
+        except BaseException:
+            if self.group.is_leader:
+                self.tier.abort(step)
+            raise
+        self._open = True
+        return self.tier.partial_dir(step), self._restrict(plan, mine)
+
+    def _my_replicas(self, step: int, offers: list[dict[str, Any]]) -> set[str]:
+        """Keys of the replicated items this rank writes; every rank computes the same answer."""
+        steps = {offer["step"] for offer in offers}
+        if len(steps) > 1:
+            said = ", ".join(f"rank {r}: {o['step']}" for r, o in enumerate(offers))
+            raise CheckpointAborted(f"ranks asked for different checkpoint steps at once ({said})")
+        if self.declined is not None:
+            raise self.declined  # this rank's own reason is what its handle reports
+        refusals = [f"rank {rank}: {offer['refused']}" for rank, offer in enumerate(offers) if offer["refused"]]
+        if refusals:
+            raise CheckpointAborted(f"step {step} was not opened: {'; '.join(refusals)}")
+        holders: dict[Any, list[int]] = defaultdict(list)
+        sizes: dict[Any, int] = {}
+        signatures: dict[Any, dict[str, int]] = defaultdict(dict)
+        for rank, offer in enumerate(offers):
+            for ident, signature, nbytes in offer["replicas"]:
+                holders[ident].append(rank)
+                sizes[ident] = nbytes
+                signatures[ident].setdefault(signature, rank)
+        for ident, seen in signatures.items():
+            if len(seen) > 1:
+                found = ", ".join(f"rank {rank} has {sig}" for sig, rank in seen.items())
+                raise CheckpointAborted(f"step {step}: item {ident[0]!r} is marked replicated but differs: {found}")
+        load = {rank: offer["own_bytes"] for rank, offer in enumerate(offers)}
+        chosen = balance(sizes, holders, load)
+        return {ident[0] for ident, rank in chosen.items() if rank == self.group.rank}
+
+    def _restrict(self, plan: CheckpointPlan, mine: set[str]) -> CheckpointPlan:
+        """The part of ``plan`` this rank writes: its own items and the replicas assigned to it."""
+        keep = {i.key for i in [*plan.tensors, *plan.objects] if not i.replicated or i.key in mine}
+        tensors = [t for t in plan.tensors if t.key in keep]
+        objects = [o for o in plan.objects if o.key in keep]
+        self._replicated = {i.key for i in [*tensors, *objects] if i.replicated}
+        aliases = {key: target for key, target in plan.aliases.items() if target in keep}
+        self._replicated |= {key for key, target in aliases.items() if target in self._replicated}
+        return dataclasses.replace(plan_checkpoint([*tensors, *objects], self.chunk_size), aliases=aliases)
+
+    # --- phases 2 and 3: vote, decide -----------------------------------------------------------
+    def commit(self, step: int, manifest: Manifest) -> Path:
+        if os.environ.get(EXIT_BEFORE_VOTE_ENV) == f"{self.group.rank}:{step}":
+            log.warning("%s: rank %d leaves before voting on step %d", EXIT_BEFORE_VOTE_ENV, self.group.rank, step)
+            os._exit(0)
+        part = manifest.model_dump(mode="json")
+        return self._decide(step, {"part": part, "replicated": sorted(self._replicated), "refused": None})
+
+    def abort(self, step: int, error: BaseException) -> None:
+        """Vote no if this rank's part failed while the checkpoint was open; the leader cleans up."""
+        if not self._open:
+            return  # never opened, or already decided: the leader has removed the partial directory
+        try:
+            self._decide(step, {"part": None, "replicated": [], "refused": _reason(error)})
+        except CheckpointAborted:
+            pass  # the expected outcome of a no vote; this rank's own error is what its handle reports
+
+    def _decide(self, step: int, vote: dict[str, Any]) -> Path:
+        self._open = False
+        try:
+            votes = self.group.gather_to_leader(vote, f"step {step}: collecting votes")
+            outcome = self._outcome(step, votes) if votes is not None else None
+            outcome = self.group.from_leader(outcome, f"step {step}: announcing the outcome")
+        except GroupLost:
+            if self.group.is_leader:
+                self.tier.abort(step)
+            raise
+        if "refused" in outcome:
+            raise CheckpointAborted(outcome["refused"])
+        return Path(outcome["path"])
+
+    def _check_visible(self, step: int, merged: Manifest) -> None:
+        """Every rank's files must be here, whole: a tier that is not one shared directory fails now."""
+        partial = self.tier.partial_dir(step)
+        for name, record in merged.files.items():
+            path = partial / name
+            size = path.stat().st_size if path.is_file() else None
+            if size != record.size:
+                seen = "missing" if size is None else f"{size} bytes, not {record.size}"
+                raise CheckpointAborted(
+                    f"{path} is {seen} as rank 0 sees it; with many ranks, tier {self.tier.name} "
+                    f"({self.tier.root}) must be one directory that every rank shares"
+                )
+
+    def _outcome(self, step: int, votes: list[dict[str, Any]]) -> dict[str, str]:
+        """On the leader: commit if every rank voted yes, else remove the partial directory."""
+        refusals = [f"rank {rank}: {v['refused']}" for rank, v in enumerate(votes) if v["refused"]]
+        if not refusals:
+            try:
+                parts = [
+                    RankPart(rank, Manifest.model_validate(v["part"]), frozenset(v["replicated"]))
+                    for rank, v in enumerate(votes)
+                ]
+                merged = merge_parts(step, parts)
+                self._check_visible(step, merged)
+                return {"path": str(self.tier.commit(step, merged))}
+            except Exception as exc:
+                refusals = [f"rank 0 could not commit the global manifest: {_reason(exc)}"]
+        self.tier.abort(step)
+        return {"refused": f"step {step} was not committed: {'; '.join(refusals)}"}
+
+
+def group_for_runner(
+    distributed: bool | None, rank: int | None, in_flight: str, timeout_s: float
+) -> CheckpointGroup | None:
+    """The runner's checkpoint group, or None for one process; refuses settings ranks cannot share."""
+    if not wanted_group(distributed):
+        return None
+    if rank is not None and rank != dist.get_rank():
+        raise ValueError(f"Runner(rank={rank}) but torch.distributed says this is rank {dist.get_rank()}")
+    if in_flight == "skip":
+        raise ValueError(
+            f"policies.in_flight: skip cannot be used with {dist.get_world_size()} ranks: each rank would skip "
+            "different steps, and a checkpoint needs every rank on the same step; use wait"
+        )
+    return CheckpointGroup(timedelta(seconds=timeout_s))

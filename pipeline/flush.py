@@ -1,0 +1,147 @@
+"""Background flush and retention: after each commit, copy the checkpoint on and prune the tiers.
+
+Once a checkpoint commits on the persist tier (NVMe), every tier whose ``flush`` policy selects
+its step (the PFS) gets a copy by :func:`tiers.migrate.migrate`, the same code as ``tierstate
+migrate``: frame by frame, every checksum verified on the target, published with the commit
+protocol. Copies run on the runner's loop as tasks, at most ``flush.workers`` per target tier at a
+time, paced to ``flush.bandwidth`` bytes/s shared by them, in a thread pool of their own so they
+never hold up the next checkpoint's writes. After each commit and each flush, retention
+(:func:`tiers.retention.prune`) applies every tier's ``retention`` policy; it never deletes a
+checkpoint still due on a flush tier, so a pending or failed flush keeps its NVMe copy.
+
+A failed flush, like a failed checkpoint, never reaches the training loop: it is logged, recorded
+on the handle (``flush_errors``) and in ``failures``; ``drain`` (called by ``runner.close()``)
+waits for every flush and reports them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from pipeline.handle import CheckpointHandle
+from pipeline.units import run_blocking
+from tiers.filesystem import FilesystemTier
+from tiers.migrate import migrate
+from tiers.pacing import Pacer
+from tiers.policy import FlushPolicy
+from tiers.retention import TierPolicies, prune
+
+log = logging.getLogger("tierstate")
+
+
+@dataclass(frozen=True)
+class FlushFailure:
+    step: int
+    tier: str
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"flush of step {self.step} to tier {self.tier} failed: {type(self.error).__name__}: {self.error}"
+
+
+@dataclass
+class _Target:
+    tier: FilesystemTier
+    policy: FlushPolicy
+    gate: asyncio.Semaphore
+    pacer: Pacer
+    active: int = 0
+    peak: int = 0  # most copies to this tier that ran at once
+
+
+class Flusher:
+    """The runner's background flushes and retention; all methods but ``drain`` run on its loop."""
+
+    def __init__(
+        self, config: PipelineConfig, tiers: list[FilesystemTier], loop: asyncio.AbstractEventLoop, active: bool = True
+    ) -> None:
+        """``active=False``: do nothing (the ranks of a multi-rank job that do not commit)."""
+        self._active = active
+        by_name = {tier.name: tier for tier in tiers}
+        self._loop = loop
+        self._source = by_name[config.persist_tier]
+        self._policies = [TierPolicies(by_name[name], t.retention, t.flush) for name, t in config.tiers.items()]
+        self._targets = [
+            _Target(by_name[name], t.flush, asyncio.Semaphore(t.flush.workers), Pacer(t.flush.bandwidth))
+            for name, t in config.tiers.items()
+            if t.flush is not None
+        ]
+        self._prunes = any(p.retention.active for p in self._policies)
+        self._align = int(config.align)
+        workers = sum(t.policy.workers for t in self._targets) + 1  # + 1: retention runs beside the copies
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierstate-flush")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._prune_lock = asyncio.Lock()
+        self.failures: list[FlushFailure] = []
+
+    @property
+    def peaks(self) -> dict[str, int]:
+        """Per target tier, the most flushes that ran at once (never above its ``workers``)."""
+        return {t.tier.name: t.peak for t in self._targets}
+
+    def committed(self, handle: CheckpointHandle) -> None:
+        """``handle``'s checkpoint just committed on the persist tier: start its flushes, then prune."""
+        if not self._active:
+            return
+        for target in self._targets:
+            if target.policy.due(handle.step):
+                self._spawn(self._flush(handle, target))
+        if self._prunes:
+            self._spawn(self._prune())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _flush(self, handle: CheckpointHandle, target: _Target) -> None:
+        step, name = handle.step, target.tier.name
+        async with target.gate:
+            target.active += 1
+            target.peak = max(target.peak, target.active)
+            try:
+                copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
+                report = await run_blocking(self._pool, copy, step, self._source, target.tier)
+            except Exception as exc:  # reported, never raised into training
+                log.error("flush of step %d to tier %s failed: %s: %s", step, name, type(exc).__name__, exc)
+                handle._set_flush_failed(name, exc)
+                self.failures.append(FlushFailure(step, name, exc))
+                return
+            finally:
+                target.active -= 1
+        log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
+        handle._set_persisted(name, report.path)
+        if self._prunes:
+            await self._prune()
+
+    async def _prune(self) -> None:
+        async with self._prune_lock:  # one pass at a time: each sees the deletions of the one before
+            try:
+                decisions = await run_blocking(self._pool, prune, self._policies)
+            except Exception as exc:
+                log.error("retention failed: %s: %s", type(exc).__name__, exc)
+                return
+        for decision in decisions:
+            if decision.delete:
+                log.info("retention: deleted step %d from %s (%s)", decision.step, decision.tier, decision.reason)
+
+    async def _idle(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def drain(self) -> list[FlushFailure]:
+        """From any thread but the loop's: wait until every flush and prune is done; the failures."""
+        asyncio.run_coroutine_threadsafe(self._idle(), self._loop).result()
+        for failure in self.failures:
+            log.error("%s", failure)
+        return list(self.failures)
+
+    def close(self) -> None:
+        self._pool.shutdown()

@@ -1,0 +1,71 @@
+"""Storage calls that name what failed, and retry transient errors with backoff when the YAML says so.
+
+A bare ``OSError: [Errno 5] Input/output error`` from an fsync says neither which tier nor which
+file, so every storage call of a checkpoint goes through :func:`storage_call`, which turns an
+OSError into a :class:`~tiers.filesystem.TierError` that keeps the errno and names the operation.
+
+Only writes that put all their bytes at a fixed place again are retried (a frame ``pwrite`` at its
+offset, the index via a temporary file and a rename): repeating them cannot leave a mix of old and
+new bytes. An fsync or the commit is never retried: after a failed fsync Linux may mark the lost
+pages clean, so a second fsync can succeed although the data never reached the disk; the
+checkpoint fails instead and the previous one stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pipeline.units import run_blocking
+from tiers.filesystem import TierError
+
+T = TypeVar("T")
+log = logging.getLogger("tierstate")
+
+# Errors a retry can outlive: space freed by retention or another job, a network file system's
+# transient I/O error or timeout, a busy device.
+TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ENOBUFS}
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``retries`` more attempts after the first, waiting ``backoff`` seconds before the first, doubling."""
+
+    retries: int = 0
+    backoff: float = 0.5
+
+    def delay(self, retry: int) -> float:
+        return self.backoff * 2**retry
+
+
+async def storage_call(
+    pool: concurrent.futures.Executor,
+    what: str,
+    fn: Callable[..., T],
+    *args: Any,
+    retry: RetryPolicy | None = None,
+) -> T:
+    """``fn(*args)`` in ``pool``; an OSError becomes a TierError saying ``what``; transient ones are
+    retried under ``retry`` (None: never, for calls that are unsafe to repeat)."""
+    retries = 0
+    while True:
+        try:
+            return await run_blocking(pool, fn, *args)
+        except TierError:
+            raise  # already says which tier and path
+        except OSError as exc:
+            if retry is None or exc.errno not in TRANSIENT_ERRNOS or retries >= retry.retries:
+                after = f" (after {retries} {'retry' if retries == 1 else 'retries'})" if retries else ""
+                message = f"{what}: {exc.strerror or exc}{after}"
+                raise (TierError(exc.errno, message) if exc.errno else TierError(message)) from exc
+            delay = retry.delay(retries)
+            retries += 1
+            log.warning("%s: %s; retry %d of %d in %.2f s", what, exc.strerror, retries, retry.retries, delay)
+            await asyncio.sleep(delay)

@@ -1,0 +1,57 @@
+"""Tensors as items, whether plain or ``DTensor`` (FSDP2, tensor parallel): a DTensor describes itself.
+
+A DTensor knows its global shape and how it is laid out on its device mesh, so its item is its
+local tensor with a :class:`ShardInfo` placing it in the global tensor, marked replicated when a
+mesh dimension replicates it (several ranks hold the same piece, one copy is enough). On restore
+the local values are wrapped back into a DTensor of the live tensor's layout, because
+``load_state_dict`` cannot copy a plain tensor into a DTensor parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from providers.items import ShardInfo, TensorItem
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+except ImportError:  # a torch built without distributed has no DTensor to describe
+    DTensor = None
+
+
+def is_dtensor(value: Any) -> bool:
+    return DTensor is not None and isinstance(value, DTensor)
+
+
+def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False) -> TensorItem:
+    """The item of ``tensor``; ``replicated`` applies to plain tensors, a DTensor's layout decides its own."""
+    if not is_dtensor(tensor):
+        return TensorItem(key, tensor, replicated=replicated)
+    placements = tensor.placements
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(
+            f"item {key!r}: a DTensor with a Partial placement holds unreduced values; "
+            "redistribute it to Shard or Replicate before checkpointing"
+        )
+    if any(type(p) not in (Shard, Replicate) for p in placements):  # e.g. _StridedShard: not one box per rank
+        raise ValueError(f"item {key!r}: DTensor placements {placements} are not plain Shard/Replicate")
+    mesh = tensor.device_mesh
+    _, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    sharded = any(isinstance(p, Shard) for p in placements)
+    copies = any(isinstance(p, Replicate) and mesh.size(dim) > 1 for dim, p in enumerate(placements))
+    shard = ShardInfo(tuple(tensor.shape), tuple(offsets)) if sharded else None
+    return TensorItem(key, tensor.to_local(), shard=shard, replicated=copies)
+
+
+def like_live(live: Any, value: Any) -> Any:
+    """``value`` (this rank's local part, read back) in the form of ``live``: a DTensor if it is one."""
+    if not is_dtensor(live) or not isinstance(value, torch.Tensor):
+        return value
+    local = value.to(live.to_local().device)
+    return DTensor.from_local(
+        local, live.device_mesh, live.placements, run_check=False, shape=live.shape, stride=live.stride()
+    )

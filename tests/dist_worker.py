@@ -1,0 +1,297 @@
+"""What each rank runs under ``torchrun`` for tests/test_distributed.py (gloo, CPU).
+
+Usage: ``torchrun --standalone --nproc_per_node=N tests/dist_worker.py WORKDIR SCENARIO...``.
+Scenarios run in order in the same processes; each reads and writes only under WORKDIR and
+records what it saw in ``WORKDIR/<scenario>/rank-R.json`` for the test to check. State is
+rebuilt from fixed seeds, so a scenario that restores can recompute exactly what was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipeline.distributed import EXIT_BEFORE_VOTE_ENV  # noqa: E402
+from pipeline.runner import Runner  # noqa: E402
+from providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider, ShardInfo  # noqa: E402
+from providers.items import TensorItem  # noqa: E402
+
+CONFIG = REPO / "configs" / "default.yaml"
+SHARDED_SHAPE = (7, 33)  # rows split unevenly across ranks
+DTENSOR_SHAPE = (6, 10)
+
+
+def rows(rank: int, world: int, total: int) -> tuple[int, int]:
+    """This rank's rows of a row-split tensor: the first ranks take one more when it does not divide."""
+    base, extra = divmod(total, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def global_values() -> dict[str, torch.Tensor]:
+    """The whole tensors every layout is cut from (same on every rank and every run)."""
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "shards/w": torch.randn(SHARDED_SHAPE, generator=gen, dtype=torch.float64),
+        "dt/weight": torch.randn(DTENSOR_SHAPE, generator=gen).to(torch.bfloat16),
+    }
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 128), nn.Linear(128, 48), nn.Linear(48, 8))
+
+
+class RowShard:
+    """A user provider holding this rank's rows of ``shards/w``, described with a ShardInfo."""
+
+    def __init__(self, rank: int, world: int, values: torch.Tensor) -> None:
+        self.start, _ = rows(rank, world, SHARDED_SHAPE[0])
+        self.tensor = values
+
+    def describe(self) -> list[TensorItem]:
+        return [TensorItem("w", self.tensor, shard=ShardInfo(SHARDED_SHAPE, (self.start, 0)))]
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.tensor.copy_(state["w"])
+
+
+class DTensorHolder(nn.Module):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(value, requires_grad=False)
+
+
+def sharded_providers(rank: int, world: int, scrambled: bool) -> tuple[dict[str, Any], Callable[[], dict]]:
+    """Providers for the sharded state (row shards and a DTensor), and a check of their values."""
+    full = global_values()
+    start, end = rows(rank, world, SHARDED_SHAPE[0])
+    local = full["shards/w"][start:end].clone()
+    mesh = init_device_mesh("cpu", (world,))
+    holder = DTensorHolder(distribute_tensor(full["dt/weight"], mesh, [Shard(0)]))
+    want_dt = holder.weight.to_local().clone()
+    if scrambled:
+        local.fill_(-1.0)
+        holder.weight.to_local().fill_(0)
+
+    def check() -> dict[str, bool]:
+        return {
+            "shards/w": torch.equal(local, full["shards/w"][start:end]),
+            "dt/weight": torch.equal(holder.weight.to_local(), want_dt),
+        }
+
+    return {"shards": RowShard(rank, world, local), "dt": ModuleProvider(holder)}, check
+
+
+def replicated_providers(scrambled: bool) -> tuple[dict[str, Any], Callable[[], dict]]:
+    model = make_model(seed=99 if scrambled else 0)
+    expected = make_model(seed=0).state_dict()
+
+    def check() -> dict[str, bool]:
+        return {f"model/{k}": torch.equal(v, expected[k]) for k, v in model.state_dict().items()}
+
+    shared = {"name": "run-a", "lr": 0.5}
+    return {"model": ModuleProvider(model, replicated=True), "run": ObjectProvider(shared, replicated=True)}, check
+
+
+class Scenario:
+    def __init__(self, workdir: Path, name: str) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.workdir = workdir
+        self.out = workdir / name
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def runner(self, tiers: str) -> Runner:
+        """A runner whose tiers are ``WORKDIR/tiers/<tiers>/{nvme,pfs}``, shared by all ranks."""
+        base = self.workdir / "tiers" / tiers
+        settings = {"tiers": {"nvme": {"path": str(base / "nvme")}, "pfs": {"path": str(base / "pfs")}}}
+        return Runner.from_yaml(CONFIG, settings, group_timeout=60)
+
+    def record(self, **facts: Any) -> None:
+        (self.out / f"rank-{self.rank}.json").write_text(json.dumps(facts, indent=1))
+
+
+def save(s: Scenario) -> None:
+    """Replicated model and object, row shards, a DTensor, per-rank RNG and object: one checkpoint."""
+    runner = s.runner("save")
+    replicated, _ = replicated_providers(scrambled=False)
+    sharded, _ = sharded_providers(s.rank, s.world, scrambled=False)
+    torch.manual_seed(100 + s.rank)  # after the model's seeding: each rank its own generator state
+    runner.register(**replicated, **sharded, rng=RNGProvider(), mine=ObjectProvider({"rank": s.rank}))
+    result = runner.checkpoint(1).result(timeout=60)
+    after = torch.rand(4).tolist()  # what the restored RNG must draw next
+    runner.close()
+    s.record(path=str(result.path), raw_bytes=result.raw_bytes, after=after)
+
+
+def restore(s: Scenario) -> None:
+    """Restore ``save``'s checkpoint into scrambled state; every value must come back bit-exact."""
+    saved = json.loads((s.out.parent / "save" / f"rank-{s.rank}.json").read_text())
+    torch.manual_seed(5)
+    runner = s.runner("save")
+    replicated, check_replicated = replicated_providers(scrambled=True)
+    sharded, check_sharded = sharded_providers(s.rank, s.world, scrambled=True)
+    mine = ObjectProvider({"rank": -1})
+    runner.register(**replicated, **sharded, rng=RNGProvider(), mine=mine)
+    result = runner.restore("latest")
+    same = {**check_replicated(), **check_sharded(), "rng": torch.rand(4).tolist() == saved["after"]}
+    same["mine/value"] = mine.value == {"rank": s.rank}
+    same["run/value"] = replicated["run"].value == {"name": "run-a", "lr": 0.5}
+    runner.close()
+    s.record(step=result.step, same=same, bytes_read=result.bytes_read)
+
+
+def reshard(s: Scenario) -> None:
+    """Restore the one-process checkpoint the test wrote (whole tensors) into this world's shards."""
+    runner = s.runner("single")
+    replicated, check_replicated = replicated_providers(scrambled=True)
+    sharded, check_sharded = sharded_providers(s.rank, s.world, scrambled=True)
+    runner.register(model=replicated["model"], **sharded)
+    result = runner.restore("latest")
+    runner.close()
+    s.record(step=result.step, same={**check_replicated(), **check_sharded()})
+
+
+def _failure(runner: Runner, step: int) -> str:
+    """Request ``step`` and wait for it; what its handle says went wrong."""
+    handle = runner.checkpoint(step)
+    handle.wait(60)
+    return f"{type(handle.error).__name__}: {handle.error}"
+
+
+def failures(s: Scenario) -> None:
+    """Steps 1 and 4 commit. Rank 1 alone fails at step 2 (writing) and at step 3 (describing its
+    state), and at step 5 leaves the process after writing its files, before voting."""
+    runner = s.runner("failures")
+    replicated, _ = replicated_providers(scrambled=False)
+    torch.manual_seed(100 + s.rank)
+    extra: dict[str, Any] = {"rank": s.rank}
+
+    def mine() -> dict[str, Any]:
+        if extra.get("explode"):
+            raise RuntimeError("sampler state unavailable")
+        return extra
+
+    runner.register(**replicated, rng=RNGProvider(), mine=ObjectProvider(mine))
+    facts: dict[str, Any] = {"first": str(runner.checkpoint(1).result(timeout=60).path)}
+    if s.rank == 1:
+        extra["bad"] = {1, 2}  # a set is not msgpack data: this rank's part of step 2 fails
+    facts["refused"] = _failure(runner, 2)
+    extra.pop("bad", None)
+    extra["explode"] = s.rank == 1
+    facts["declined"] = _failure(runner, 3)
+    extra.pop("explode")
+    facts["fourth"] = str(runner.checkpoint(4).result(timeout=60).path)
+    s.record(**facts)  # rank 1 records nothing after this
+    os.environ[EXIT_BEFORE_VOTE_ENV] = "1:5"
+    facts["died"] = _failure(runner, 5)  # rank 1 leaves the process inside this step's commit
+    model = make_model(seed=1)
+    for _ in range(3):  # training goes on without the checkpoint group
+        model(torch.randn(2, 64)).sum().backward()
+    facts["after"] = _failure(runner, 6)
+    runner.close()
+    s.record(**facts)
+
+
+def failures_restore(s: Scenario) -> None:
+    """A new job after the crash: the latest committed step is 4, and it restores."""
+    runner = s.runner("failures")
+    replicated, check = replicated_providers(scrambled=True)
+    runner.register(**replicated)
+    result = runner.restore("latest")
+    runner.close()
+    s.record(step=result.step, same=check())
+
+
+def _ddp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _ddp_step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    x = torch.randn(8, 16)
+    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _ddp_runner(s: Scenario, model: nn.Module, opt: torch.optim.Optimizer, counter: dict) -> Runner:
+    runner = s.runner("ddp")
+    runner.register(
+        model=ModuleProvider(model, replicated=True),
+        optim=OptimizerProvider(opt, replicated=True),
+        rng=RNGProvider(),
+        trainer=ObjectProvider(counter, replicated=True),
+    )
+    runner.attach(opt)
+    return runner
+
+
+def ddp(s: Scenario) -> None:
+    """Eight DDP steps with a checkpoint after the fourth; the losses after it are the reference."""
+    model, opt = _ddp(seed=0)
+    torch.manual_seed(100 + s.rank)  # each rank its own data
+    counter = {"step": 0}
+    runner = _ddp_runner(s, model, opt, counter)
+    losses = []
+    for step in range(1, 9):
+        losses.append(_ddp_step(model, opt))
+        counter["step"] = step
+        if step == 4:
+            runner.checkpoint(4)
+    runner.close()
+    s.record(losses=losses[4:])
+
+
+def ddp_resume(s: Scenario) -> None:
+    """A new job from other initial weights: restore step 4, run steps 5..8, same losses expected."""
+    model, opt = _ddp(seed=123)
+    torch.manual_seed(7)
+    counter = {"step": -1}
+    runner = _ddp_runner(s, model, opt, counter)
+    runner.restore("latest")
+    losses = [_ddp_step(model, opt) for _ in range(counter["step"], 8)]
+    runner.close()
+    s.record(step=counter["step"], losses=losses)
+
+
+SCENARIOS: dict[str, Callable[[Scenario], None]] = {
+    "save": save,
+    "restore": restore,
+    "reshard": reshard,
+    "failures": failures,
+    "failures-restore": failures_restore,
+    "ddp": ddp,
+    "ddp-resume": ddp_resume,
+}
+
+
+def main() -> None:
+    workdir, names = Path(sys.argv[1]), sys.argv[2:]
+    dist.init_process_group("gloo")
+    for i, name in enumerate(names):
+        SCENARIOS[name](Scenario(workdir, name))
+        if i + 1 < len(names):
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

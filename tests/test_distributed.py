@@ -1,0 +1,187 @@
+"""Many ranks, for real: two processes under ``torchrun --nproc_per_node=2`` on gloo, real files.
+
+Two launches share the work to keep the suite fast (each costs a few seconds of start-up):
+the first saves (and, last, loses rank 1 in the middle of a checkpoint), the test process then
+writes a one-process checkpoint and loads a two-rank one, and the second launch is the "next
+job" that restores everything. What each rank saw is in WORKDIR/<scenario>/rank-R.json
+(see tests/dist_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_worker import DTENSOR_SHAPE, SHARDED_SHAPE, DTensorHolder, global_values, make_model
+
+from conftest import REPO, TensorDictProvider
+from pipeline.runner import Runner
+from providers import ModuleProvider
+from tiers import cli
+from tiers.filesystem import FilesystemTier
+from tiers.format import ShardedRecord, TensorRecord
+from tiers.migrate import migrate
+from tiers.reader import load
+from tiers.verify import verify_step
+
+WORKER = REPO / "tests" / "dist_worker.py"
+LAUNCH_TIMEOUT_S = 180
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
+]
+
+
+def torchrun(workdir: Path, *scenarios: str) -> None:
+    """Run the scenarios on two ranks; ``--standalone`` rendezvous binds a free port itself."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(WORKER), str(workdir), *scenarios,
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, f"torchrun {' '.join(scenarios)} failed:\n{done.stdout[-3000:]}{done.stderr[-6000:]}"
+
+
+def runner_on(tiers: Path) -> Runner:
+    settings = {"tiers": {"nvme": {"path": str(tiers / "nvme")}, "pfs": {"path": str(tiers / "pfs")}}}
+    return Runner.from_yaml(REPO / "configs" / "default.yaml", settings)
+
+
+def whole_layout(scrambled: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One process's providers for the state the ranks shard: whole tensors, no ShardInfo."""
+    full = global_values()
+    tensors = {"w": torch.zeros(SHARDED_SHAPE, dtype=torch.float64) if scrambled else full["shards/w"].clone()}
+    holder = DTensorHolder(torch.zeros(DTENSOR_SHAPE, dtype=torch.bfloat16) if scrambled else full["dt/weight"])
+    model = make_model(seed=99 if scrambled else 0)
+    providers = {"model": ModuleProvider(model), "shards": TensorDictProvider(tensors), "dt": ModuleProvider(holder)}
+    values = {"shards/w": tensors["w"], "dt/weight": holder.weight.detach()}
+    values |= {f"model/{k}": v for k, v in model.state_dict().items()}
+    return providers, values
+
+
+def expected_whole() -> dict[str, torch.Tensor]:
+    return {**global_values(), **{f"model/{k}": v for k, v in make_model(seed=0).state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("ranks")
+    torchrun(workdir, "save", "ddp", "failures")  # failures last: rank 1 leaves the process in it
+    providers, _ = whole_layout(scrambled=False)
+    with runner_on(workdir / "tiers" / "single") as runner:  # what the 1 -> 2 reshard loads
+        runner.register(**providers)
+        runner.checkpoint(5).result()
+    torchrun(workdir, "restore", "reshard", "ddp-resume", "failures-restore")
+    return workdir
+
+
+def facts(work: Path, scenario: str) -> list[dict]:
+    return [json.loads((work / scenario / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_save_then_restore_on_two_ranks_is_bit_exact(work):
+    restored = facts(work, "restore")
+    for rank, seen in enumerate(restored):
+        assert seen["step"] == 1
+        assert all(seen["same"].values()), (rank, seen["same"])
+    saved = facts(work, "save")
+    assert saved[0]["after"] != saved[1]["after"]  # each rank's own RNG stream came back to it
+
+
+def test_restore_reads_each_stored_byte_once_per_node(work):
+    # Both ranks share one node: the replicated model is read half by each and exchanged.
+    manifest = runner_on(work / "tiers" / "save").durable_tier.manifest(1)
+    reads = [seen["bytes_read"] for seen in facts(work, "restore")]
+    assert all(r > 0.3 * manifest.stored_bytes for r in reads)
+    assert sum(reads) <= manifest.stored_bytes  # at most one pass over the copy (objects apart)
+
+
+def test_replicated_state_is_written_once_and_spread_over_ranks(work):
+    step = work / "tiers" / "save" / "nvme" / "step-1"
+    assert sorted(p.name for p in step.iterdir()) == [
+        "manifest.json", "rank-00000.data", "rank-00000.index", "rank-00001.data", "rank-00001.index",
+    ]  # fmt: skip
+    manifest = runner_on(work / "tiers" / "save").durable_tier.manifest(1)
+    model = {k: r for k, r in manifest.items.items() if k.startswith("model/")}
+    assert model and all(isinstance(r, TensorRecord) for r in model.values())  # one record each, no per-rank copy
+    writers = {r.pieces[0].file for r in model.values()}
+    assert writers == {"rank-00000.data", "rank-00001.data"}  # the write load is spread
+    model_bytes = sum(manifest.item_nbytes(k) for k in model)
+    assert manifest.raw_bytes < 1.5 * model_bytes  # not twice: the model is most of this state
+    sizes = [f.size for f in manifest.files.values()]
+    assert max(sizes) < 0.7 * sum(sizes)
+    assert manifest.items["run/value"].kind == "object" and manifest.items["rng/torch"].kind == "per_rank"
+    assert isinstance(manifest.items["shards/w"], ShardedRecord) and len(manifest.items["shards/w"].shards) == 2
+
+
+def test_a_rank_that_fails_or_dies_leaves_no_commit_and_the_others_go_on(work):
+    first, second = facts(work, "failures")
+    for seen in (first, second):
+        assert seen["first"].endswith("step-1") and seen["fourth"].endswith("step-4")
+    assert first["refused"].startswith("CheckpointAborted: step 2 was not committed: rank 1: ObjectCodecError")
+    assert second["refused"].startswith("ObjectCodecError: item 'mine/value'")  # rank 1 reports its own error
+    assert first["declined"] == (
+        "CheckpointAborted: step 3 was not opened: rank 1: RuntimeError: sampler state unavailable"
+    )
+    assert second["declined"] == "RuntimeError: sampler state unavailable"
+    assert first["died"].startswith("GroupLost: step 5: collecting votes: lost the checkpoint group")
+    assert "unusable since step 5" in first["after"]  # later checkpoints fail at once, training went on
+    assert "died" not in second  # rank 1 left the process before recording more
+    tier = work / "tiers" / "failures" / "nvme"
+    assert sorted(p.name for p in tier.iterdir()) == ["step-1", "step-4"]  # no other step, no partials
+    for rank, seen in enumerate(facts(work, "failures-restore")):
+        assert seen["step"] == 4 and all(seen["same"].values()), rank
+
+
+def test_two_ranks_checkpoint_loads_on_one_process(work):
+    providers, values = whole_layout(scrambled=True)
+    with runner_on(work / "tiers" / "save") as runner:
+        runner.register(**providers)
+        assert runner.restore("latest").step == 1
+    for key, want in expected_whole().items():
+        assert torch.equal(values[key], want), key
+    plain = load(work / "tiers" / "save" / "nvme" / "step-1")
+    assert torch.equal(plain["shards/w"], global_values()["shards/w"])
+    assert plain["mine/value"] == {"rank": 0}  # per-rank items as rank 0 had them
+
+
+def test_one_process_checkpoint_loads_resharded_on_two_ranks(work):
+    for rank, seen in enumerate(facts(work, "reshard")):
+        assert seen["step"] == 5 and all(seen["same"].values()), (rank, seen["same"])
+
+
+def test_ddp_training_resumes_with_identical_losses(work):
+    trained, resumed = facts(work, "ddp"), facts(work, "ddp-resume")
+    for rank in (0, 1):
+        assert resumed[rank]["step"] == 4
+        assert resumed[rank]["losses"] == trained[rank]["losses"], rank  # exact floats
+
+
+def test_tier_tool_shows_multi_rank_checkpoints(work, capsys):
+    nvme = work / "tiers" / "save" / "nvme"
+    assert cli.main(["inspect", str(nvme / "step-1"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    kinds = {row["key"]: row["kind"] for row in shown["item_table"]}
+    assert shown["ranks"] == 2 and shown["files"] == 2
+    assert kinds["shards/w"] == "sharded" and kinds["rng/torch"] == "per-rank" and kinds["model/0.weight"] == "tensor"
+    assert cli.main(["ls", "--tier", f"nvme={nvme}", "--json"]) == 0
+    assert [(e["step"], e["state"], e["ranks"]) for e in json.loads(capsys.readouterr().out)] == [(1, "committed", 2)]
+
+
+def test_migrate_and_verify_keep_every_rank_file(work, tmp_path):
+    source = FilesystemTier("nvme", work / "tiers" / "save" / "nvme")
+    target = FilesystemTier("pfs", tmp_path / "pfs")
+    migrate(1, source, target)
+    assert verify_step(target, 1).ok
+    assert sorted(p.name for p in target.step_dir(1).glob("rank-*")) == [
+        "rank-00000.data", "rank-00000.index", "rank-00001.data", "rank-00001.index",
+    ]  # fmt: skip
+    copied, original = load(target.step_dir(1)), load(source.step_dir(1))
+    for key, value in original.items():
+        assert torch.equal(copied[key], value) if isinstance(value, torch.Tensor) else copied[key] == value, key

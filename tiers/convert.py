@@ -1,0 +1,242 @@
+"""Rewriting a checkpoint in the other container format (frames <-> HDF5), for ``migrate --format``.
+
+A conversion is a rewrite, not a copy: the bytes of every stored record (a tensor, an object, a
+shard, one rank's value) are read and verified through the reader, then written into the target
+format's data file for the same rank, each piece a frame of at most :data:`FRAME_BYTES`; the new
+manifest is the old one with new files and pieces. At most :data:`BATCH_BYTES` (or one record, if
+larger) are in memory at a time. Unlike a same-format copy it is not resumable: an interrupted
+conversion starts over.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+
+from tiers.format import (
+    AliasRecord,
+    AnyRecord,
+    FileRecord,
+    Manifest,
+    ManifestError,
+    ObjectRecord,
+    PerRankRecord,
+    Piece,
+    ShardedRecord,
+    TensorRecord,
+    checksum,
+    data_file_name,
+    index_bytes,
+    index_file_name,
+    manifest_bytes,
+    parse_manifest,
+    write_durably,
+)
+from tiers.framefile import FrameSink
+from tiers.hdf5 import Hdf5Container, hdf5_file_name
+from tiers.reader import read_pieces
+
+Format = Literal["frames", "hdf5"]
+FORMATS: tuple[str, ...] = ("frames", "hdf5")
+FRAME_BYTES = 16 << 20  # the default chunk size: frames as large as the pipeline writes
+BATCH_BYTES = 256 << 20
+_RANK_RE = re.compile(r"^rank-(\d{5})\.(data|h5)$")
+
+Progress = Callable[[int], None]
+LeafId = tuple[str, int | None]  # (item key, shard index or rank), None for a plain record
+Leaf = TensorRecord | ObjectRecord
+
+
+class ItemSink(Protocol):
+    """A data file being written item piece by item piece (frames or HDF5)."""
+
+    name: str
+
+    def write(self, key: str, item_offset: int, data: bytes | memoryview) -> Piece: ...
+    def finish(self) -> FileRecord: ...
+    def close(self) -> None: ...
+
+
+class PackedFile:
+    """A frames-format data file for rewrites: each piece its own frame at the next aligned offset."""
+
+    def __init__(self, path: Path, align: int) -> None:
+        self._sink = FrameSink(path, align=align)
+        self.name = path.name
+
+    def write(self, key: str, item_offset: int, data: bytes | memoryview) -> Piece:
+        frame = self._sink.append(data)
+        length = len(memoryview(data).cast("B"))
+        return Piece(file=self.name, frame=frame, offset=0, length=length, item_offset=item_offset)
+
+    def finish(self) -> FileRecord:
+        return self._sink.finish()
+
+    def close(self) -> None:
+        self._sink.close()
+
+
+def container_format(manifest: Manifest, source: str) -> Format:
+    """Which container the checkpoint's data files are; one checkpoint never mixes them."""
+    kinds = {"hdf5" if name.endswith(".h5") else "frames" for name in manifest.files}
+    if len(kinds) > 1:
+        raise ManifestError(f"{source}: data files mix the frames and HDF5 formats")
+    return kinds.pop() if kinds else "frames"
+
+
+def _target_name(fmt: str, source_file: str) -> str:
+    match = _RANK_RE.match(source_file)
+    if match is None:
+        raise ManifestError(f"data file {source_file!r} does not name a rank")
+    rank = int(match.group(1))
+    return hdf5_file_name(rank) if fmt == "hdf5" else data_file_name(rank)
+
+
+def leaves(key: str, record: AnyRecord) -> Iterator[tuple[LeafId, Leaf]]:
+    """The records of ``key`` that own bytes: itself, each shard, or each rank's value."""
+    if isinstance(record, ShardedRecord):
+        for i, shard in enumerate(record.shards):
+            yield (key, i), shard
+    elif isinstance(record, PerRankRecord):
+        for rank, part in record.ranks.items():
+            if not isinstance(part, AliasRecord):
+                yield (key, rank), part
+    elif not isinstance(record, AliasRecord):
+        yield (key, None), record
+
+
+def _with_pieces(key: str, record: AnyRecord, pieces: dict[LeafId, list[Piece]]) -> AnyRecord:
+    """``record`` with every leaf's pieces replaced by the rewritten ones."""
+    if isinstance(record, ShardedRecord):
+        shards = [shard.model_copy(update={"pieces": pieces[(key, i)]}) for i, shard in enumerate(record.shards)]
+        return record.model_copy(update={"shards": shards})
+    if isinstance(record, PerRankRecord):
+        ranks = {
+            rank: part if isinstance(part, AliasRecord) else part.model_copy(update={"pieces": pieces[(key, rank)]})
+            for rank, part in record.ranks.items()
+        }
+        return record.model_copy(update={"ranks": ranks})
+    if isinstance(record, AliasRecord):
+        return record
+    return record.model_copy(update={"pieces": pieces[(key, None)]})
+
+
+class _Buffers:
+    """One byte buffer per leaf being read: the destination :func:`read_pieces` fills."""
+
+    def __init__(self, manifest: Manifest, wanted: dict[Hashable, Leaf]) -> None:
+        self.buffers = {
+            lid: torch.empty(manifest.record_nbytes(leaf), dtype=torch.uint8) for lid, leaf in wanted.items()
+        }
+
+    def view(self, lid: Hashable, piece: Piece) -> memoryview:
+        buffer = self.buffers[lid]
+        whole = memoryview(buffer.numpy()).cast("B") if buffer.numel() else memoryview(b"")
+        return whole[piece.item_offset : piece.item_offset + piece.length]
+
+
+def read_leaves(directory: Path, manifest: Manifest, wanted: dict[Hashable, Leaf]) -> dict[Hashable, torch.Tensor]:
+    """The stored bytes of each wanted leaf, every frame verified on the way: id -> uint8 tensor."""
+    dest = _Buffers(manifest, wanted)
+    read_pieces(directory, manifest, {lid: leaf.pieces for lid, leaf in wanted.items()}, dest)
+    return dest.buffers
+
+
+def batches(items: list[tuple[Hashable, Leaf]], manifest: Manifest) -> Iterator[dict[Hashable, Leaf]]:
+    """Consecutive groups of leaves holding at most BATCH_BYTES (a larger leaf alone)."""
+    batch: dict[Hashable, Leaf] = {}
+    size = 0
+    for lid, leaf in items:
+        nbytes = manifest.record_nbytes(leaf)
+        if batch and size + nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = {}, 0
+        batch[lid] = leaf
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def write_sliced(sink: ItemSink, key: str, data: torch.Tensor, progress: Progress | None) -> list[Piece]:
+    """Write one item's bytes as frames of at most FRAME_BYTES; their pieces, in item order."""
+    view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+    pieces = []
+    for start in range(0, len(view), FRAME_BYTES):
+        part = view[start : start + FRAME_BYTES]
+        pieces.append(sink.write(key, start, part))
+        if progress is not None:
+            progress(len(part))
+    return pieces
+
+
+def declare(container: Hdf5Container, key: str, leaf: Leaf) -> None:
+    """Create ``key``'s dataset for a stored record."""
+    if isinstance(leaf, TensorRecord):
+        container.add_tensor(key, leaf.dtype, leaf.shape, leaf.shard)
+    else:
+        container.add_object(key, leaf.serializer, leaf.length)
+
+
+def rewrite(
+    source: Path, manifest: Manifest, target: Path, fmt: Format, align: int, progress: Progress | None = None
+) -> Manifest:
+    """Write the checkpoint in ``source`` into directory ``target`` as ``fmt``; the new manifest.
+
+    Writes the data files and indexes, not the manifest: the caller verifies and commits.
+    """
+    first_file = min(manifest.files, default=data_file_name(0))
+    by_file: dict[str, list[tuple[LeafId, Leaf]]] = {}
+    for key, record in manifest.items.items():
+        for lid, leaf in leaves(key, record):
+            origin = leaf.pieces[0].file if leaf.pieces else first_file  # empty tensors: any file
+            by_file.setdefault(_target_name(fmt, origin), []).append((lid, leaf))
+    files: dict[str, FileRecord] = {}
+    indexes: dict[str, str] = {}
+    pieces: dict[LeafId, list[Piece]] = {}
+    for name, file_leaves in sorted(by_file.items()):
+        files[name] = _write_file(source, manifest, target / name, fmt, align, file_leaves, pieces, progress)
+        rank = int(_RANK_RE.match(name).group(1))
+        keys = {lid[0] for lid, _ in file_leaves}
+        index = index_bytes(rank, manifest.step, files[name], {k: manifest.items[k] for k in keys})
+        write_durably(target / index_file_name(rank), index)
+        indexes[index_file_name(rank)] = checksum(index)
+    items = {key: _with_pieces(key, record, pieces) for key, record in manifest.items.items()}
+    rewritten = manifest.model_copy(update={"files": files, "indexes": indexes, "items": items})
+    return parse_manifest(manifest_bytes(rewritten), f"{target} (rewritten manifest)")  # fully re-validated
+
+
+def _write_file(
+    source: Path,
+    manifest: Manifest,
+    path: Path,
+    fmt: Format,
+    align: int,
+    file_leaves: list[tuple[LeafId, Leaf]],
+    pieces: dict[LeafId, list[Piece]],
+    progress: Progress | None,
+) -> FileRecord:
+    sink: ItemSink
+    if fmt == "hdf5":
+        container = Hdf5Container(path, align, {"step": manifest.step, "created": manifest.created})
+        sink = container
+    else:
+        sink = PackedFile(path, align)
+    try:
+        if fmt == "hdf5":
+            for (key, _), leaf in file_leaves:
+                declare(container, key, leaf)
+            plain = {key for (key, index), _ in file_leaves if index is None}
+            for key, record in manifest.items.items():
+                if isinstance(record, AliasRecord) and record.of in plain:  # tied tensors: hard links
+                    container.add_alias(key, record.of)
+        for batch in batches(file_leaves, manifest):
+            for lid, data in read_leaves(source, manifest, batch).items():
+                pieces[lid] = write_sliced(sink, lid[0], data, progress)
+        return sink.finish()
+    except BaseException:
+        sink.close()
+        raise

@@ -1,0 +1,151 @@
+"""``tierstate export``: one checkpoint as a single HDF5 or safetensors file for analysis tools.
+
+Model-evolution studies read one tensor across many steps; they want files their own tools open
+(h5py, safetensors) without tierstate. An export holds every item under its key, in its logical
+form: sharded tensors reassembled whole, per-rank items as rank 0's value (as ``tiers.reader.load``
+gives them); every byte is verified against its checksum on the way out.
+
+- HDF5: the same layout as an HDF5 checkpoint (see :mod:`tiers.hdf5`): a dataset per tensor with
+  ``dtype`` and ``shape`` attributes, objects as byte datasets with a ``serializer`` attribute, tied
+  tensors as hard links. bfloat16 and other types HDF5 lacks are raw bytes in an unsigned integer
+  dataset of the same element size, marked ``raw`` (``torch.from_numpy(x).view(torch.bfloat16)``).
+- safetensors: tensors natively where safetensors has the type (bfloat16 and float8 included);
+  other types as raw unsigned integers of the same element size, objects as uint8 tensors of their
+  encoded bytes. The header metadata (``tierstate.*`` keys, JSON values) names the real dtype of
+  raw tensors, the serializer of objects, and the aliases, which are not stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import save_file
+
+from tiers.convert import batches, read_leaves, write_sliced
+from tiers.dtypes import dtype_from_name
+from tiers.format import AliasRecord, Manifest, ObjectRecord, ShardedRecord, TensorRecord
+from tiers.hdf5 import Hdf5Container
+from tiers.multirank import rank_view
+from tiers.reader import read_items
+
+ExportFormat = Literal["hdf5", "safetensors"]
+EXPORT_FORMATS: tuple[str, ...] = ("hdf5", "safetensors")
+Progress = Callable[[int], None]
+
+_SAFETENSORS_NATIVE = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
+    torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
+}  # fmt: skip
+_UNSIGNED = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    step: int
+    format: str
+    path: Path
+    items: int
+    bytes: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "format": self.format,
+            "path": str(self.path),
+            "items": self.items,
+            "bytes": self.bytes,
+        }
+
+
+def _logical_items(
+    directory: Path, manifest: Manifest
+) -> tuple[Manifest, dict[str, TensorRecord | ObjectRecord], dict[str, str]]:
+    """Rank 0's view of the checkpoint: the records to export (sharded ones as one whole tensor) and aliases."""
+    view = rank_view(manifest, 0, list(manifest.items))
+    records: dict[str, TensorRecord | ObjectRecord] = {}
+    aliases: dict[str, str] = {}
+    for key, record in view.items.items():
+        if isinstance(record, AliasRecord):
+            aliases[key] = record.of
+        elif isinstance(record, ShardedRecord):
+            records[key] = TensorRecord(dtype=record.dtype, shape=record.global_shape, pieces=[])
+        else:
+            records[key] = record
+    return view, records, aliases
+
+
+def _item_bytes(
+    directory: Path, manifest: Manifest, view: Manifest, records: dict[str, TensorRecord | ObjectRecord]
+) -> Iterator[tuple[Hashable, torch.Tensor]]:
+    """Each record's bytes (uint8), a bounded batch at a time; sharded tensors reassembled by the reader."""
+    stored = [(key, r) for key, r in records.items() if not isinstance(view.items[key], ShardedRecord)]
+    for batch in batches(stored, view):
+        yield from read_leaves(directory, view, batch).items()
+    for key in records:
+        if isinstance(view.items[key], ShardedRecord):
+            whole = read_items(directory, manifest, [key])[key]
+            yield key, whole.contiguous().reshape(-1).view(torch.uint8)
+
+
+def export(
+    directory: Path, manifest: Manifest, out: Path, fmt: ExportFormat, progress: Progress | None = None
+) -> ExportReport:
+    """Write the checkpoint in ``directory`` to the file ``out`` as ``fmt``."""
+    view, records, aliases = _logical_items(directory, manifest)
+    attrs = {"step": manifest.step, "created": manifest.created}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    total = 0
+    if fmt == "hdf5":
+        container = Hdf5Container(out, 4096, attrs)
+        try:
+            for key, record in records.items():
+                if isinstance(record, TensorRecord):
+                    container.add_tensor(key, record.dtype, record.shape, record.shard)
+                else:
+                    container.add_object(key, record.serializer, record.length)
+            for key, data in _item_bytes(directory, manifest, view, records):
+                write_sliced(container, str(key), data, progress)
+                total += data.numel()
+            for key, target in aliases.items():
+                container.add_alias(key, target)
+            container.finish()
+        except BaseException:
+            container.close()
+            out.unlink(missing_ok=True)
+            raise
+    else:
+        tensors: dict[str, torch.Tensor] = {}
+        raw: dict[str, dict[str, object]] = {}
+        for key, data in _item_bytes(directory, manifest, view, records):
+            tensors[str(key)], note = _safetensor(records[str(key)], data)
+            if note:
+                raw[str(key)] = note
+            total += data.numel()
+            if progress is not None:
+                progress(data.numel())
+        objects = {k: r.serializer for k, r in records.items() if isinstance(r, ObjectRecord)}
+        metadata = {f"tierstate.{k}": json.dumps(v) for k, v in attrs.items()}
+        metadata |= {"tierstate.objects": json.dumps(objects), "tierstate.raw": json.dumps(raw)}
+        metadata["tierstate.aliases"] = json.dumps(aliases)
+        save_file(tensors, str(out), metadata=metadata)
+    return ExportReport(manifest.step, fmt, out, len(records) + len(aliases), total)
+
+
+def _safetensor(record: TensorRecord | ObjectRecord, data: torch.Tensor) -> tuple[torch.Tensor, dict[str, object]]:
+    """The tensor to store for one record, and (for raw bytes) what it really is."""
+    if isinstance(record, ObjectRecord):
+        return data, {}
+    dtype = dtype_from_name(record.dtype)
+    if dtype in _SAFETENSORS_NATIVE:
+        return data.view(dtype).reshape(record.shape), {}
+    unsigned = _UNSIGNED.get(dtype.itemsize)
+    note: dict[str, object] = {"dtype": record.dtype, "shape": record.shape}
+    if unsigned is None:  # e.g. complex128: bytes per element as the last dimension
+        return data.reshape([*record.shape, dtype.itemsize]), note
+    return data.view(unsigned).reshape(record.shape), note

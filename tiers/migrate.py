@@ -1,0 +1,295 @@
+"""Moving a committed checkpoint from one tier to another, resumably, with the commit protocol.
+
+The copy lands in ``step-N.partial/`` on the target, frame by frame at the same offsets, and each
+frame is read back from the target and checked against the manifest's checksum. Only then are the
+indexes copied, the manifest written last and the directory renamed to ``step-N/``: the target
+never lists a checkpoint that is not whole and verified.
+
+Resuming costs no second copy of anything already good. A run that was killed leaves its partial
+directory; the next run checks each frame already there against its checksum, keeps the ones that
+match and copies only those missing or mismatched, so a frame copied and verified once is never
+copied again, and a damaged one is never kept. Copying a checkpoint the target already holds is a
+no-op, so ``migrate`` is idempotent.
+
+Where both tiers share a file system, frames move with ``copy_file_range`` (no trip through user
+space); across file systems, by reads and writes. Changing the container format (``fmt``) is a
+rewrite instead (:mod:`tiers.convert`), verified the same way but not resumable.
+
+Fault point ``migrate.frame`` (see :mod:`tiers.faults`) is reached after each frame is copied and
+verified; ``TIERSTATE_FAULT=migrate.frame@N`` SIGKILLs the process there, for the resume tests.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tiers import faults
+from tiers.convert import Format, container_format, rewrite
+from tiers.filesystem import FilesystemTier
+from tiers.format import FileRecord, FrameRecord, Manifest, checksum, write_durably
+from tiers.framefile import BLOCK, hash_range
+from tiers.locks import InUseError, exclusive, reading
+from tiers.pacing import Pacer
+from tiers.reader import CorruptCheckpointError
+from tiers.retention import delete_step
+from tiers.verify import verify_directory, write_stamp
+
+Progress = Callable[[int], None]
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
+
+
+class MigrateError(RuntimeError):
+    """A migration that cannot be done as asked; names the step, the tiers and why."""
+
+
+@dataclass
+class MigrateReport:
+    """What one migration did; ``frames_copied`` + ``frames_reused`` = ``frames``."""
+
+    step: int
+    source: str
+    target: str
+    path: Path
+    outcome: str  # "copied", "converted" or "already there"
+    frames: int = 0
+    frames_copied: int = 0
+    frames_reused: int = 0
+    bytes_copied: int = 0
+    bytes_reused: int = 0
+    seconds: float = 0.0
+    moved: bool = False
+
+    @property
+    def gbps(self) -> float:
+        """Bytes brought onto the target (copied or found good) per second, in GB/s."""
+        moved = self.bytes_copied + self.bytes_reused
+        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "path": str(self.path), "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3)}
+
+
+def same_checkpoint(a: Manifest, b: Manifest) -> bool:
+    """Whether two manifests describe the same checkpoint (possibly in different formats)."""
+    return a.step == b.step and a.created == b.created and a.items.keys() == b.items.keys()
+
+
+class _FrameCopier:
+    """Copies byte ranges between two files: in the kernel while it allows, else through a buffer."""
+
+    def __init__(self) -> None:
+        self._kernel = hasattr(os, "copy_file_range")
+        self._buffer: bytearray | None = None
+
+    def copy(self, src: int, dst: int, offset: int, length: int, where: str) -> None:
+        end = offset + length
+        while self._kernel and offset < end:
+            try:
+                copied = os.copy_file_range(src, dst, end - offset, offset, offset)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                self._kernel = False  # e.g. EXDEV: two file systems; go on from here through user space
+                break
+            if copied == 0:
+                raise CorruptCheckpointError(f"{where}: truncated (source ends before byte {end})")
+            offset += copied
+        if offset < end:
+            self._through_user_space(src, dst, offset, end, where)
+
+    def _through_user_space(self, src: int, dst: int, offset: int, end: int, where: str) -> None:
+        if self._buffer is None:
+            self._buffer = bytearray(BLOCK)
+        view = memoryview(self._buffer)
+        while offset < end:
+            got = os.preadv(src, [view[: min(BLOCK, end - offset)]], offset)
+            if got == 0:
+                raise CorruptCheckpointError(f"{where}: truncated (source ends before byte {end})")
+            part = view[:got]
+            while part:
+                written = os.pwrite(dst, part, offset)
+                part = part[written:]
+                offset += written
+
+
+class _Copy:
+    """One same-format copy into a partial directory, counting what it copied and what it kept."""
+
+    def __init__(self, report: MigrateReport, pacer: Pacer | None, progress: Progress | None) -> None:
+        self.report = report
+        self.pacer = pacer
+        self.progress = progress or (lambda _n: None)
+        self.copier = _FrameCopier()
+
+    def data_file(self, source: Path, target: Path, record: FileRecord) -> None:
+        src = os.open(source, os.O_RDONLY)
+        try:
+            dst = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                resumed = os.fstat(dst).st_size > 0
+                os.ftruncate(dst, record.size)  # bytes outside frames are holes, i.e. zeros, as in the source
+                for i, frame in enumerate(record.frames):
+                    if resumed and hash_range(dst, frame.offset, frame.length) == frame.checksum:
+                        self.report.frames_reused += 1
+                        self.report.bytes_reused += frame.length
+                    else:
+                        self._frame(src, dst, frame, f"{source} frame {i}", target)
+                    self.report.frames += 1
+                    self.progress(frame.length)
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+    def _frame(self, src: int, dst: int, frame: FrameRecord, source: str, target: Path) -> None:
+        """Copy one frame, then read it back from the target and check it; ``source`` names it."""
+        self.copier.copy(src, dst, frame.offset, frame.length, source)
+        if hash_range(dst, frame.offset, frame.length) != frame.checksum:
+            actual = hash_range(src, frame.offset, frame.length)
+            if actual != frame.checksum:
+                raise CorruptCheckpointError(
+                    f"{source}: checksum mismatch (expected {frame.checksum}, got {actual}); not migrating it"
+                )
+            raise MigrateError(f"{target}: bytes read back after copying {source} differ from the source's")
+        self.report.frames_copied += 1
+        self.report.bytes_copied += frame.length
+        faults.point("migrate.frame", target)
+        if self.pacer is not None:
+            self.pacer.wait(frame.length)
+
+    def small_file(self, source: Path, target: Path, digest: str) -> None:
+        """An index: whole-file checksum, copied whole unless the target already has it right."""
+        try:
+            if checksum(target.read_bytes()) == digest:
+                return
+        except FileNotFoundError:
+            pass
+        data = source.read_bytes()
+        if checksum(data) != digest:
+            raise CorruptCheckpointError(f"{source}: checksum mismatch (expected {digest}, got {checksum(data)})")
+        write_durably(target, data)
+
+
+def _remove_strays(partial: Path, keep: set[str]) -> None:
+    """Remove what an earlier attempt left that is not to be kept (another format, temporaries)."""
+    for entry in partial.iterdir():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def _copy_all(
+    source_dir: Path,
+    manifest: Manifest,
+    partial: Path,
+    report: MigrateReport,
+    pacer: Pacer | None,
+    progress: Progress | None,
+) -> Manifest:
+    """Same format: resume or start the frame-by-frame copy; the manifest to publish is the source's."""
+    copy = _Copy(report, pacer, progress)
+    for name, record in sorted(manifest.files.items()):
+        copy.data_file(source_dir / name, partial / name, record)
+    for name, digest in sorted(manifest.indexes.items()):
+        copy.small_file(source_dir / name, partial / name, digest)
+    return manifest
+
+
+def _convert(
+    source_dir: Path,
+    manifest: Manifest,
+    partial: Path,
+    report: MigrateReport,
+    fmt: Format,
+    align: int,
+    progress: Progress | None,
+) -> Manifest:
+    """Another format: rewrite from scratch and verify the result; its new manifest."""
+    _remove_strays(partial, set())
+    published = rewrite(source_dir, manifest, partial, fmt, align, progress)
+    problems = verify_directory(partial, published)
+    if problems:
+        raise MigrateError(f"{partial}: the rewritten checkpoint fails verification: {problems[0]}")
+    report.outcome = "converted"
+    report.frames = report.frames_copied = sum(len(f.frames) for f in published.files.values())
+    report.bytes_copied = published.stored_bytes
+    return published
+
+
+def _publish(
+    source_dir: Path,
+    manifest: Manifest,
+    target: FilesystemTier,
+    report: MigrateReport,
+    fmt: Format,
+    align: int,
+    pacer: Pacer | None,
+    progress: Progress | None,
+) -> None:
+    partial = target.partial_dir(manifest.step)
+    partial.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive(partial):  # one migration of a step into a tier at a time
+            if fmt == container_format(manifest, str(source_dir)):
+                published = _copy_all(source_dir, manifest, partial, report, pacer, progress)
+            else:
+                published = _convert(source_dir, manifest, partial, report, fmt, align, progress)
+            _remove_strays(partial, set(published.files) | set(published.indexes))
+            report.path = target.commit(manifest.step, published)
+    except InUseError:
+        raise MigrateError(f"step {manifest.step} is being migrated to {target.name} by another process") from None
+    write_stamp(report.path)
+
+
+def migrate(
+    step: int,
+    source: FilesystemTier,
+    target: FilesystemTier,
+    *,
+    move: bool = False,
+    fmt: Format | None = None,
+    align: int = 4096,
+    pacer: Pacer | None = None,
+    progress: Progress | None = None,
+) -> MigrateReport:
+    """Copy (``move``: then delete from ``source``) committed checkpoint ``step`` to ``target``.
+
+    ``fmt`` rewrites it as ``frames`` or ``hdf5``; None keeps its format. Raises MigrateError,
+    CorruptCheckpointError (the source is damaged), ManifestError or OSError; never leaves the
+    target with a committed but incomplete checkpoint.
+    """
+    if source.root.resolve() == target.root.resolve():
+        raise MigrateError(f"tiers {source.name} and {target.name} are the same directory ({source.root})")
+    if step not in source.steps():
+        raise MigrateError(f"tier {source.name} has no committed checkpoint step {step} (in {source.root})")
+    started = time.perf_counter()
+    source_dir = source.step_dir(step)
+    report = MigrateReport(step, source.name, target.name, target.step_dir(step), "copied")
+    with reading(source_dir):
+        manifest = source.manifest(step)
+        wanted = fmt or container_format(manifest, str(source_dir))
+        if step in target.steps():
+            existing = target.manifest(step)
+            if not same_checkpoint(existing, manifest):
+                raise MigrateError(
+                    f"tier {target.name} already holds a different checkpoint for step {step} "
+                    f"(created {existing.created}; the one on {source.name} was created {manifest.created})"
+                )
+            report.outcome = "already there"
+            if move:  # the source goes away, so the copy that stays must be proven good first
+                problems = verify_directory(report.path, existing)
+                if problems:
+                    raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
+        else:
+            _publish(source_dir, manifest, target, report, wanted, align, pacer, progress)
+    if move:
+        delete_step(source, step)
+        report.moved = True
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,67 @@
+"""Per-tier policies read from the pipeline YAML: which checkpoints a tier keeps, and which it receives.
+
+They live in ``tiers`` (not in the pipeline config) because two readers need the very same rules:
+the runner, which flushes and prunes during training, and the ``tierstate`` CLI, which prunes and
+collects garbage afterwards from nothing but the YAML and the files. Both validate with these models.
+
+Both rules are functions of the step number alone, never of how many checkpoints a run happened to
+take, so a restarted run, a second process and the CLI all agree on what a tier is due to hold.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+Positive = Annotated[int, Field(ge=1)]
+
+
+class _Policy(BaseModel):
+    # Typos in a retention block must fail loudly: a silently ignored `keep-last` deletes data.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RetentionPolicy(_Policy):
+    """Which committed checkpoints a tier keeps; with neither rule set the tier keeps everything."""
+
+    keep_last: Positive | None = None
+    keep_every: Positive | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.keep_last is not None or self.keep_every is not None
+
+    def keeps(self, step: int, steps: list[int]) -> str | None:
+        """Why ``step`` is kept among the tier's ascending ``steps``, or None when it may go."""
+        if not self.active:
+            return "no retention policy"
+        if self.keep_last is not None and step in steps[-self.keep_last :]:
+            return f"keep_last={self.keep_last}"
+        if self.keep_every is not None and step % self.keep_every == 0:
+            return f"keep_every={self.keep_every}"
+        return None
+
+    def describe(self) -> str:
+        rules = [
+            f"keep_last={self.keep_last}" if self.keep_last else "",
+            f"keep_every={self.keep_every}" if self.keep_every else "",
+        ]
+        return " and ".join(rule for rule in rules if rule) or "keep everything"
+
+
+class FlushPolicy(_Policy):
+    """Background copies into this tier from the tier the pipeline persists to.
+
+    ``every``: the tier receives checkpoints whose step is a multiple of it (1 = all; with a
+    checkpoint every N steps, ``every: k*N`` is every k-th checkpoint). ``workers``: checkpoints
+    copied to this tier at once. ``bandwidth``: bytes per second shared by those copies, so a flush
+    leaves the file system to the job; null = unlimited.
+    """
+
+    every: Positive = 1
+    workers: Positive = 1
+    bandwidth: Annotated[ByteSize, Field(gt=0)] | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0

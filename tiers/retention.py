@@ -1,0 +1,182 @@
+"""Retention: deleting checkpoints a tier no longer keeps, and the leftovers of crashes.
+
+A step is deleted from a tier only if all of these hold:
+
+- the tier's :class:`~tiers.policy.RetentionPolicy` does not keep it;
+- it is not the newest committed step on any tier (whatever the policy, the latest progress stays);
+- it is not the last copy of a checkpoint some tier is still due to receive: a step another tier's
+  flush policy selects and that tier does not hold yet (its flush is pending, running or failed)
+  stays where it is;
+- nobody is reading it (restore, migrate, flush, verify, export hold a shared lock; see
+  :mod:`tiers.locks`).
+
+A checkpoint that no tier is due to receive and no policy keeps is deleted even from its last
+tier: otherwise retention on a single tier, or on NVMe checkpoints the PFS skips, could never
+delete anything.
+
+Deletion is crash safe: under an exclusive lock the directory is first unpublished by a rename to
+``step-N.deleting`` (fsync'd, so it is no longer listed or restorable), then removed. A crash in
+between leaves a ``.deleting`` directory, which :func:`collect_garbage` removes, as it removes
+``.partial`` directories older than a bound (a crashed write or an abandoned migration).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tiers import faults
+from tiers.filesystem import PARTIAL_SUFFIX, FilesystemTier, fsync_dir
+from tiers.locks import InUseError, exclusive
+from tiers.policy import FlushPolicy, RetentionPolicy
+
+DELETING_SUFFIX = ".deleting"
+
+
+@dataclass(frozen=True)
+class TierPolicies:
+    """A tier with the policies its YAML section gives it."""
+
+    tier: FilesystemTier
+    retention: RetentionPolicy = RetentionPolicy()
+    flush: FlushPolicy | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What retention did (or, in a dry run, would do) with one step on one tier, and why."""
+
+    tier: str
+    step: int
+    delete: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def delete_step(tier: FilesystemTier, step: int) -> None:
+    """Unpublish, then remove, one committed checkpoint; InUseError if anyone holds it."""
+    path = tier.step_dir(step)
+    with exclusive(path):
+        doomed = tier.root / f"{path.name}{DELETING_SUFFIX}"
+        if doomed.exists():  # left by an earlier crash in the middle of deleting this step
+            shutil.rmtree(doomed)
+        os.rename(path, doomed)
+        fsync_dir(tier.root)
+        faults.point("prune.delete", doomed)
+        shutil.rmtree(doomed)
+
+
+def _hold_reason(
+    policies: TierPolicies,
+    step: int,
+    steps: list[int],
+    newest: int,
+    everyone: Sequence[TierPolicies],
+    holdings: dict[str, set[int]],
+) -> str | None:
+    kept = policies.retention.keeps(step, steps)
+    if kept:
+        return kept
+    if step == newest:
+        return "the newest checkpoint"
+    due = [
+        other.tier.name
+        for other in everyone
+        if other is not policies and other.flush and other.flush.due(step) and step not in holdings[other.tier.name]
+    ]
+    if due:
+        return f"last copy: due on {', '.join(due)} and not flushed there yet"
+    return None
+
+
+def prune(tiers: Sequence[TierPolicies], dry_run: bool = False, only: Collection[str] | None = None) -> list[Decision]:
+    """Apply each tier's retention policy (on the tiers named in ``only``, default all)."""
+    holdings = {p.tier.name: set(p.tier.steps()) for p in tiers}
+    newest = max((s for held in holdings.values() for s in held), default=-1)
+    decisions: list[Decision] = []
+    for policies in tiers:
+        name = policies.tier.name
+        if (only is not None and name not in only) or not policies.retention.active:
+            continue
+        steps = sorted(holdings[name])
+        for step in steps:
+            reason = _hold_reason(policies, step, steps, newest, tiers, holdings)
+            if reason is None and not dry_run:
+                try:
+                    delete_step(policies.tier, step)
+                except InUseError:
+                    reason = "in use (being read, flushed or restored)"
+                except FileNotFoundError:
+                    reason = "already gone (deleted by someone else)"
+            if reason is None:
+                holdings[name].discard(step)
+            decisions.append(
+                Decision(name, step, reason is None, reason or f"not kept by {policies.retention.describe()}")
+            )
+    return decisions
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A ``.partial`` or ``.deleting`` directory and what garbage collection did with it."""
+
+    tier: str
+    path: Path
+    kind: str
+    age_s: float
+    removed: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "path": str(self.path), "age_s": round(self.age_s, 1)}
+
+
+def leftovers(tier: FilesystemTier) -> list[Path]:
+    """Directories of ``tier`` that are not (or no longer) checkpoints: partial writes, half deletions."""
+    if not tier.root.is_dir():
+        return []
+    suffixes = (PARTIAL_SUFFIX, DELETING_SUFFIX)
+    return sorted(p for p in tier.root.iterdir() if p.name.endswith(suffixes) and p.is_dir())
+
+
+def age_of(path: Path, now: float | None = None) -> float:
+    """Seconds since anything in ``path`` (itself or a file in it) last changed."""
+    newest = path.stat().st_mtime
+    for entry in os.scandir(path):
+        newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    return (time.time() if now is None else now) - newest
+
+
+def collect_garbage(tiers: Sequence[FilesystemTier], older_than: float, dry_run: bool = False) -> list[Leftover]:
+    """Remove ``.deleting`` leftovers, and ``.partial`` ones untouched for ``older_than`` seconds.
+
+    A leftover someone holds locked (a migration in progress) is kept, whatever its age.
+    """
+    found: list[Leftover] = []
+    for tier in tiers:
+        for path in leftovers(tier):
+            kind = "deleting" if path.name.endswith(DELETING_SUFFIX) else "partial"
+            try:
+                age = age_of(path)
+            except FileNotFoundError:
+                continue  # removed meanwhile by whoever owned it
+            if kind == "partial" and age < older_than:
+                found.append(Leftover(tier.name, path, kind, age, False, f"younger than {older_than:g} s"))
+                continue
+            try:
+                with exclusive(path):
+                    if not dry_run:
+                        shutil.rmtree(path)
+            except InUseError:
+                found.append(Leftover(tier.name, path, kind, age, False, "in use"))
+                continue
+            except FileNotFoundError:
+                continue
+            found.append(Leftover(tier.name, path, kind, age, not dry_run, "dry run" if dry_run else "removed"))
+    return found
