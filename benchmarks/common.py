@@ -834,11 +834,13 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
-def save_reports(name: str, reports: list[Report], facts: Mapping[str, str], argv: list[str]) -> Path:
+def save_reports(
+    name: str, reports: list[Report], facts: Mapping[str, str], argv: list[str], script: str | None = None
+) -> Path:
     """``benchmarks/results/<name>.json`` (raw numbers) and ``.md`` (the tables as printed)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     facts = {**facts, "load_avg_end": f"{load_average():.2f}"}
-    command = "python " + " ".join([f"benchmarks/{name}.py", *argv])
+    command = "python " + " ".join([f"benchmarks/{script or name}.py", *argv])
     payload = {"command": command, "machine": facts, "reports": [vars(r) for r in reports]}
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1, default=str))

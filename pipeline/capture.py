@@ -9,6 +9,7 @@ thread synchronizes on, never the trainer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pipeline.plan import ChunkPlan, TensorPiece
@@ -88,7 +89,12 @@ def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> No
     if src.is_contiguous():
         # Bytes, not elements: works for every dtype (sub-byte, float8, bits) and is a plain memcpy.
         source_bytes = src.reshape(-1).view(torch.uint8)[piece.item_offset : piece.item_offset + piece.length]
-        window.copy_(source_bytes, non_blocking=non_blocking)
+        if src.device.type == "cpu" and dst.device.type == "cpu":
+            # numpy's copy is one thread and drops the GIL; torch's copy_ would start an OpenMP team from
+            # this background thread, whose threads spin and contend with the trainer's own on a busy CPU.
+            np.copyto(window.numpy(), source_bytes.detach().numpy())
+        else:
+            window.copy_(source_bytes, non_blocking=non_blocking)
     elif piece.length == piece.item.nbytes:
         # A whole strided view: one strided copy straight into the slab, no temporary.
         window.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from providers.composite import CompositeProvider
+from providers.items import hand_over
 from tiers.filesystem import FilesystemTier
 from tiers.format import Manifest, ManifestError
 from tiers.locks import reading
@@ -53,6 +56,19 @@ def resolve_step(tiers: list[FilesystemTier], which: int | str) -> int:
     return which
 
 
+def hand_over_fresh(state: dict[str, Any]) -> None:
+    """Mark the tensors of a freshly read ``state`` as the providers' to keep (``hand_over``), except
+    those sharing storage with another item (tied weights): those a keeping provider still copies."""
+    storages: dict[int, int] = {}
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        ptr = tensor.untyped_storage().data_ptr()
+        storages[ptr] = storages.get(ptr, 0) + 1
+    for tensor in tensors:
+        if storages[tensor.untyped_storage().data_ptr()] == 1 and tensor.numel():
+            hand_over(tensor)
+
+
 def restore_into(
     provider: CompositeProvider,
     tiers: list[FilesystemTier],
@@ -73,7 +89,9 @@ def restore_into(
     if read is None:
 
         def read(directory: Path, manifest: Manifest, keys: list[str]) -> dict[str, Any]:
-            return read_items(directory, manifest, keys, allow_pickle=allow_pickle)
+            state = read_items(directory, manifest, keys, allow_pickle=allow_pickle)
+            hand_over_fresh(state)  # read_items allocates every buffer fresh
+            return state
 
     wanted = resolve_step(tiers, which)
     candidates = [wanted]

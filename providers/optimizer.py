@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from providers.items import Serializer
+from providers.items import Serializer, handed_over
 from providers.stateful import StatefulProvider
 
 
@@ -16,7 +16,8 @@ class OptimizerProvider(StatefulProvider):
 
     ``Optimizer.load_state_dict`` keeps the given tensors whenever no dtype/device cast is needed
     (always for ``step``), so the optimizer would share memory with buffers the pipeline may reuse.
-    After loading, every optimizer tensor that aliases an input is replaced by its own copy.
+    After loading, every optimizer tensor that aliases an input is replaced by its own copy, unless the
+    restore handed it over (``handed_over``: freshly read, referenced by nothing else).
     """
 
     def __init__(
@@ -48,6 +49,8 @@ class OptimizerProvider(StatefulProvider):
         live = self._live
         for param, param_state in self.optimizer.state.items():
             for name, value in list(param_state.items()):
+                if handed_over(value):
+                    continue  # the restore's own fresh memory: the optimizer may simply keep it
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in inputs:
                     old = live.get((id(param), name))
                     if (
