@@ -17,6 +17,7 @@ over the ``none`` run of the same round, minus one. Each method's first checkpoi
 outside the timed runs (DCP's stager allocates its staging copy then; tierstate its runner).
 
     python benchmarks/blocked.py                 # full size, ~7 min
+    python benchmarks/blocked.py --methods none,tierstate --steps 30 --every 10 --tag every10   # interval 10
     python benchmarks/blocked.py --preset small --steps 6 --every 2 --repeats 1   # smoke test
 """
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--tag", default="", help="results go to blocked-<tag>.json instead of blocked.json")
     args = parser.parse_args(argv)
     warn_if_busy()
     torch.set_num_threads(args.threads)
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 "'durable after' = from the request to committed on disk; one untimed warm-up checkpoint "
                 "per method first")
     report.print()
-    path = save_reports("blocked", [report], facts, argv if argv is not None else sys.argv[1:])
+    name = f"blocked-{args.tag}" if args.tag else "blocked"
+    path = save_reports(name, [report], facts, argv if argv is not None else sys.argv[1:], script="blocked")
     print(f"raw numbers: {path}", file=sys.stderr)
     return 0
 
