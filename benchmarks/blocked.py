@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{fmt_bytes(nbytes)}, checkpoint every {args.every} steps, {args.steps} steps x {args.repeats} rounds",
         runs,
         "dcp.async_save",
+        args.every,
     )
     report.raw.update({"state_bytes": nbytes, "n_params": state.n_params, "cache_bytes": cache, "setups": setups,
                        "args": vars(args)})

@@ -764,11 +764,17 @@ def warm_up(ckpts: Iterable[Checkpointer]) -> None:
 
 
 def blocked_report(
-    name: str, title: str, runs: Mapping[str, list[dict[str, Any]]], async_baseline: str
+    name: str, title: str, runs: Mapping[str, list[dict[str, Any]]], async_baseline: str, every: int
 ) -> Report:
-    """The blocked-time table: per method, blocked seconds per checkpoint and the slowdown vs ``none``."""
+    """The blocked-time table: per method, blocked seconds per checkpoint and the slowdown vs ``none``.
+
+    Two slowdowns: ``run`` is the loop's wall time over the ``none`` run of the same round (a run has
+    no checkpoint in its last interval, so it holds fewer than one per ``every`` steps); ``steady`` puts
+    the extra seconds per checkpoint over ``every`` median ``none`` steps, i.e. what a long run with
+    a checkpoint every ``every`` steps would lose.
+    """
     report = Report(name, title, ["method", "blocked/ckpt", "max", "torch.save÷this", f"{async_baseline}÷this",
-                                  "step", "slowdown", "durable after"])
+                                  "step", "slowdown (run)", f"slowdown (steady, every {every})", "durable after"])
 
     def blocked_of(method: str) -> list[float]:
         return [b for r in runs.get(method, []) for b in r["blocked_s"]]
@@ -778,8 +784,13 @@ def blocked_report(
     for method, method_runs in runs.items():
         blocked = blocked_of(method)
         b = median(blocked)
-        slowdowns = [r["loop_s"] / n["loop_s"] - 1 for r, n in zip(method_runs, baseline, strict=True)] \
-            if baseline and method != "none" else []
+        slowdowns, steady = [], []
+        if baseline and method != "none":
+            for r, n in zip(method_runs, baseline, strict=True):
+                slowdowns.append(r["loop_s"] / n["loop_s"] - 1)
+                if r["blocked_s"]:
+                    per_checkpoint = (r["loop_s"] - n["loop_s"]) / len(r["blocked_s"])
+                    steady.append(per_checkpoint / (every * median(n["step_s"])))
         report.add(
             method,
             fmt_s(b) if blocked else "-",
@@ -788,9 +799,10 @@ def blocked_report(
             fmt_ratio(base_async / b) if blocked else "-",
             fmt_s(median(s for r in method_runs for s in r["step_s"])),
             f"{median(slowdowns) * 100:+.1f}%" if slowdowns else "-",
+            f"{median(steady) * 100:+.1f}%" if steady else "-",
             fmt_s(median(d for r in method_runs for d in r["durable_s"])) if blocked else "-",
         )
-        report.raw[method] = {"runs": method_runs, "slowdowns": slowdowns}
+        report.raw[method] = {"runs": method_runs, "slowdowns": slowdowns, "steady_slowdowns": steady}
     return report
 
 

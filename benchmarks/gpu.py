@@ -171,6 +171,7 @@ def training_loop(args: argparse.Namespace, device: torch.device, root: Path) ->
         f"checkpoint every {args.every} steps, {args.steps} steps x {args.repeats} rounds",
         runs,
         "dcp.async_save+async-staging",
+        args.every,
     )
     for name, setup in setups.items():
         if setup:
