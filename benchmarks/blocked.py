@@ -43,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     machine_facts,
     make_checkpointer,
     save_reports,
+    slowdown_note,
     train_run,
     warm_up,
     warn_if_busy,
@@ -106,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not CUDA:
         report.note("no CUDA: DCP's pinned memory / non-blocking copies do not exist here, so DCP stages into "
                     "plain memory; tierstate's host cache is not pinned either")
-    report.note("slowdown (run) = loop wall time / the `none` run of the same round - 1, median over rounds (a run "
-                "has no checkpoint in its last interval); slowdown (steady) = extra seconds per checkpoint / "
-                f"({args.every} x the median `none` step): a long run checkpointing every {args.every} steps; "
-                "'durable after' = from the request to committed on disk; one untimed warm-up checkpoint per "
-                "method first")
+    report.note(slowdown_note(args.every))
     report.print()
     name = f"blocked-{args.tag}" if args.tag else "blocked"
     path = save_reports(name, [report], facts, argv if argv is not None else sys.argv[1:], script="blocked")

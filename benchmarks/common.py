@@ -763,15 +763,26 @@ def warm_up(ckpts: Iterable[Checkpointer]) -> None:
         ckpt.records.clear()
 
 
+def slowdown_note(every: int) -> str:
+    """How the blocked table's two slowdowns are computed (shared by blocked.py and gpu.py)."""
+    return ("slowdown (run) = loop wall time / the `none` run of the same round - 1, median over rounds (a run has "
+            "no checkpoint in its last interval); slowdown (steady) = extra seconds per checkpoint within the run "
+            "(its steps' sum - steps x its median step, minus the same for the `none` run) / "
+            f"({every} x that median step): a long run checkpointing every {every} steps; 'durable after' = from "
+            "the request to committed on disk; one untimed warm-up checkpoint per method first")
+
+
 def blocked_report(
     name: str, title: str, runs: Mapping[str, list[dict[str, Any]]], async_baseline: str, every: int
 ) -> Report:
     """The blocked-time table: per method, blocked seconds per checkpoint and the slowdown vs ``none``.
 
     Two slowdowns: ``run`` is the loop's wall time over the ``none`` run of the same round (a run has
-    no checkpoint in its last interval, so it holds fewer than one per ``every`` steps); ``steady`` puts
-    the extra seconds per checkpoint over ``every`` median ``none`` steps, i.e. what a long run with
-    a checkpoint every ``every`` steps would lose.
+    no checkpoint in its last interval, so it holds fewer than one per ``every`` steps); ``steady`` is
+    what a long run with a checkpoint every ``every`` steps loses: the extra seconds per checkpoint,
+    taken within the run (sum of its steps - steps x its median step, so drift of the shared machine
+    between runs cancels; minus the same excess of the ``none`` run, which the skew of step times
+    gives even without checkpoints), over ``every`` median steps.
     """
     report = Report(name, title, ["method", "blocked/ckpt", "max", "torch.save÷this", f"{async_baseline}÷this",
                                   "step", "slowdown (run)", f"slowdown (steady, every {every})", "durable after"])
@@ -786,11 +797,17 @@ def blocked_report(
         b = median(blocked)
         slowdowns, steady = [], []
         if baseline and method != "none":
-            for r, n in zip(method_runs, baseline, strict=True):
-                slowdowns.append(r["loop_s"] / n["loop_s"] - 1)
-                if r["blocked_s"]:
-                    per_checkpoint = (r["loop_s"] - n["loop_s"]) / len(r["blocked_s"])
-                    steady.append(per_checkpoint / (every * median(n["step_s"])))
+            slowdowns = [r["loop_s"] / n["loop_s"] - 1 for r, n in zip(method_runs, baseline, strict=True)]
+        def excess(run: dict[str, Any]) -> float:  # seconds above the run's own median step
+            return sum(run["step_s"]) - len(run["step_s"]) * median(run["step_s"])
+
+        for i, r in enumerate(method_runs if method != "none" else []):
+            if r["blocked_s"]:
+                # Steps are skewed (an occasional slow one), so a run without checkpoints has some excess too:
+                # the `none` run of the same round is subtracted.
+                skew = excess(baseline[i]) if baseline else 0.0
+                per_checkpoint = (excess(r) - skew) / len(r["blocked_s"])
+                steady.append(per_checkpoint / (every * median(r["step_s"])))
         report.add(
             method,
             fmt_s(b) if blocked else "-",

@@ -50,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     make_checkpointer,
     median,
     save_reports,
+    slowdown_note,
     time_save,
     train_run,
     warm_up,
@@ -176,6 +177,7 @@ def training_loop(args: argparse.Namespace, device: torch.device, root: Path) ->
     for name, setup in setups.items():
         if setup:
             report.note(f"{name}: {setup}")
+    report.note(slowdown_note(args.every))
     report.raw.update({"state_bytes": nbytes, "cache_bytes": cache, "args": vars(args)})
     return report
 
