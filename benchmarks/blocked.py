@@ -49,7 +49,9 @@ from benchmarks.common import (  # noqa: E402
     warn_if_busy,
 )
 
-METHODS = ["none", "tierstate", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+async-staging"]
+METHODS = [
+    "none", "copy-floor", "tierstate", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+async-staging"
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ raw numbers as JSON for RESULTS.md).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import mmap
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +38,7 @@ if str(REPO_ROOT) not in sys.path:  # run as `python benchmarks/x.py`: make the 
 
 from examples.gpt import GPT, GPTConfig, TokenStream  # noqa: E402
 from pipeline.runner import Runner  # noqa: E402
-from providers import ModuleProvider, OptimizerProvider  # noqa: E402
-from providers.items import TensorItem  # noqa: E402
+from providers import ModuleProvider, OptimizerProvider, TensorDictProvider  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20
@@ -336,20 +337,6 @@ def state_tensor_bytes(state: Any) -> int:
             seen.add(ident)
             total += t.numel() * t.element_size()
     return total
-
-
-class TensorDictProvider:
-    """A dict of named tensors, restored in place: synthetic states of any shape for the scaling sweep."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def describe(self) -> list[TensorItem]:
-        return [TensorItem(key, t) for key, t in self.tensors.items()]
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        for key, t in self.tensors.items():
-            t.copy_(state[key])
 
 
 @dataclass
@@ -686,6 +673,47 @@ class DCPAsyncCheckpointer(Checkpointer):
             self._stager.close()
 
 
+class CopyFloorCheckpointer(Checkpointer):
+    """Not a checkpointer but the least any snapshotting asynchronous one must do on the CPU: copy
+    the state once into preallocated host memory, on one background thread (numpy's single-threaded
+    memcpy, as tierstate's capture), with no checksum and no I/O. Its slowdown is the floor against
+    which tierstate's own overhead is read; its "durable after" is when the copy ended."""
+
+    name = "copy-floor"
+
+    def __init__(self, state: Any, root: Path) -> None:
+        super().__init__(state, root)
+        self._sources = [t.detach() for t in _tensors(state.state_dict())]
+        self._buffers = [torch.zeros_like(t) for t in self._sources]  # zeros: pages faulted in now
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="copy-floor")
+        self._copied: concurrent.futures.Future[None] | None = None
+        self.setup = "one background thread, np.copyto of every tensor into a reused buffer; nothing written"
+
+    def _copy(self, record: Record) -> None:
+        for src, dst in zip(self._sources, self._buffers, strict=True):
+            np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+        record.durable_at = time.perf_counter()
+
+    def _save(self, record: Record) -> None:
+        self._copied = self._pool.submit(self._copy, record)
+
+    def before_step(self) -> float:
+        if self._copied is None or self._copied.done():
+            return 0.0
+        started = time.perf_counter()
+        self._copied.result()
+        waited = time.perf_counter() - started
+        self.records[-1].blocked_s += waited
+        return waited
+
+    def drain(self) -> float:
+        return self.before_step()
+
+    def close(self) -> None:
+        self.drain()
+        self._pool.shutdown()
+
+
 def make_checkpointer(name: str, state: Any, root: Path, **tierstate: Any) -> Checkpointer:
     """A method by name; ``tierstate`` keyword arguments go to :class:`TierstateCheckpointer`."""
     directory = root / "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
@@ -696,6 +724,8 @@ def make_checkpointer(name: str, state: Any, root: Path, **tierstate: Any) -> Ch
         ckpt = TierstateCheckpointer(state, directory, **tierstate)
         ckpt.name = name
         return ckpt
+    if name == "copy-floor":
+        return CopyFloorCheckpointer(state, directory)
     if name == "torch.save":
         return TorchSaveCheckpointer(state, directory)
     if name == "dcp.save":

@@ -39,16 +39,17 @@ class SlabCopier:
     def copy(self, plan: ChunkPlan, slab: Slab, ready: torch.cuda.Event | None) -> Chunk:
         """Copy every piece of ``plan`` into ``slab``; returns when the bytes are in host memory."""
         dst = slab.tensor
+        dst_bytes = dst.numpy()  # once per chunk: a chunk may hold thousands of small tensors
         end = 0
         gpu_pieces = []
         for piece in plan.pieces:
             if piece.chunk_offset > end:
-                dst[end : piece.chunk_offset].zero_()  # alignment padding: no stale bytes on disk
+                dst_bytes[end : piece.chunk_offset] = 0  # alignment padding: no stale bytes on disk
             end = piece.chunk_offset + piece.length
             if piece.item.tensor.is_cuda:
                 gpu_pieces.append(piece)
             else:
-                _copy_piece(piece, dst, non_blocking=False)
+                _copy_host_piece(piece, dst, dst_bytes)
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
@@ -83,18 +84,26 @@ def _dominant_element_size(plan: ChunkPlan) -> int:
     return max(by_size, key=by_size.__getitem__)
 
 
+def _copy_host_piece(piece: TensorPiece, dst: torch.Tensor, dst_bytes: np.ndarray) -> None:
+    src = piece.item.tensor
+    if src.is_contiguous():
+        # Bytes, not elements: works for every dtype (sub-byte, float8, bits) and is a plain memcpy.
+        # numpy's copy is one thread and drops the GIL; torch's copy_ would start an OpenMP team from
+        # this background thread, whose threads spin and contend with the trainer's own on a busy CPU.
+        # Slicing numpy arrays rather than tensors: ~3 us less per piece (10^4 small tensors: 30 ms).
+        source = src.detach().reshape(-1).view(torch.uint8).numpy()
+        start = piece.chunk_offset
+        np.copyto(dst_bytes[start : start + piece.length], source[piece.item_offset : piece.item_offset + piece.length])
+    else:
+        _copy_piece(piece, dst, non_blocking=False)
+
+
 def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> None:
     src = piece.item.tensor
     window = dst[piece.chunk_offset : piece.chunk_offset + piece.length]
     if src.is_contiguous():
-        # Bytes, not elements: works for every dtype (sub-byte, float8, bits) and is a plain memcpy.
         source_bytes = src.reshape(-1).view(torch.uint8)[piece.item_offset : piece.item_offset + piece.length]
-        if src.device.type == "cpu" and dst.device.type == "cpu":
-            # numpy's copy is one thread and drops the GIL; torch's copy_ would start an OpenMP team from
-            # this background thread, whose threads spin and contend with the trainer's own on a busy CPU.
-            np.copyto(window.numpy(), source_bytes.detach().numpy())
-        else:
-            window.copy_(source_bytes, non_blocking=non_blocking)
+        window.copy_(source_bytes, non_blocking=non_blocking)
     elif piece.length == piece.item.nbytes:
         # A whole strided view: one strided copy straight into the slab, no temporary.
         window.view(src.dtype).view(src.shape).copy_(src, non_blocking=non_blocking)

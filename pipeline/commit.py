@@ -14,7 +14,7 @@ from typing import Protocol
 
 from pipeline.plan import CheckpointPlan
 from tiers.filesystem import FilesystemTier
-from tiers.format import Manifest
+from tiers.format import ManifestBody
 
 
 class Commit(Protocol):
@@ -22,8 +22,9 @@ class Commit(Protocol):
         """Open the partial directory; returns it and the part of ``plan`` this rank writes."""
         ...
 
-    def commit(self, step: int, manifest: Manifest) -> Path:
-        """Make this rank's fsynced files (described by ``manifest``) part of a committed checkpoint."""
+    def commit(self, step: int, manifest: ManifestBody) -> Path:
+        """Make this rank's fsynced files (described by ``manifest``, in JSON form) part of a committed
+        checkpoint."""
         ...
 
     def abort(self, step: int, error: BaseException) -> None:
@@ -40,7 +41,7 @@ class TierCommit:
     def begin(self, step: int, plan: CheckpointPlan) -> tuple[Path, CheckpointPlan]:
         return self.tier.begin(step), plan
 
-    def commit(self, step: int, manifest: Manifest) -> Path:
+    def commit(self, step: int, manifest: ManifestBody) -> Path:
         return self.tier.commit(step, manifest)
 
     def abort(self, step: int, error: BaseException) -> None:

@@ -37,7 +37,7 @@ from pipeline.assign import balance
 from pipeline.plan import CheckpointPlan, plan_checkpoint
 from providers.items import ObjectItem, TensorItem
 from tiers.filesystem import FilesystemTier
-from tiers.format import Manifest
+from tiers.format import Manifest, ManifestBody
 from tiers.multirank import RankPart, merge_parts
 
 log = logging.getLogger("tierstate")
@@ -239,12 +239,11 @@ class DistributedCommit:
         return dataclasses.replace(plan_checkpoint([*tensors, *objects], self.chunk_size), aliases=aliases)
 
     # --- phases 2 and 3: vote, decide -----------------------------------------------------------
-    def commit(self, step: int, manifest: Manifest) -> Path:
+    def commit(self, step: int, manifest: ManifestBody) -> Path:
         if os.environ.get(EXIT_BEFORE_VOTE_ENV) == f"{self.group.rank}:{step}":
             log.warning("%s: rank %d leaves before voting on step %d", EXIT_BEFORE_VOTE_ENV, self.group.rank, step)
             os._exit(0)
-        part = manifest.model_dump(mode="json")
-        return self._decide(step, {"part": part, "replicated": sorted(self._replicated), "refused": None})
+        return self._decide(step, {"part": manifest, "replicated": sorted(self._replicated), "refused": None})
 
     def abort(self, step: int, error: BaseException) -> None:
         """Vote no if this rank's part failed while the checkpoint was open; the leader cleans up."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from pathlib import Path
+from typing import Any
 
 from pipeline.persist import FrameWriter
 from pipeline.plan import CheckpointPlan
 from pipeline.units import Chunk, run_blocking
 from tiers.dtypes import dtype_name
-from tiers.format import FileRecord, Piece, ShardRecord
+from tiers.format import FileRecord, Piece, ShardRecord, piece_body
 from tiers.hdf5 import Hdf5Container, hdf5_file_name
 from tiers.pacing import Pacer
 
@@ -85,15 +86,12 @@ class Hdf5Writer:
         self._container.close()
 
 
-async def write_chunk(writer: FrameWriter | Hdf5Writer, chunk: Chunk) -> list[tuple[str, Piece]]:
-    """Persist one chunk with either writer: where each of its entries' bytes now lie.
+async def write_chunk(writer: FrameWriter | Hdf5Writer, chunk: Chunk) -> list[tuple[str, dict[str, Any]]]:
+    """Persist one chunk with either writer: where each of its entries' bytes now lie (JSON-form Pieces).
 
     The frames writer stores the whole chunk as one frame, so its entries are pieces of that frame.
     """
     if isinstance(writer, Hdf5Writer):
-        return await writer.write(chunk)
+        return [(key, piece.model_dump()) for key, piece in await writer.write(chunk)]
     frame = await writer.write(chunk)
-    return [
-        (e.key, Piece(file=writer.name, frame=frame, offset=e.chunk_offset, length=e.length, item_offset=e.item_offset))
-        for e in chunk.entries
-    ]
+    return [(e.key, piece_body(writer.name, frame, e.chunk_offset, e.length, e.item_offset)) for e in chunk.entries]

@@ -14,7 +14,9 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,18 +32,16 @@ from tiers import codecs
 from tiers.dtypes import dtype_name
 from tiers.filesystem import FilesystemTier
 from tiers.format import (
-    AliasRecord,
     FileRecord,
-    Manifest,
-    ObjectRecord,
-    Piece,
-    ShardRecord,
-    TensorRecord,
+    ManifestBody,
+    alias_body,
     checksum,
     data_file_name,
     index_bytes,
     index_file_name,
-    now_iso,
+    manifest_body,
+    object_body,
+    tensor_body,
     write_durably,
 )
 from tiers.hostcache import HostCache, Slab
@@ -89,7 +89,7 @@ class CheckpointJob:
         self.on_captured = on_captured
         self.stats = JobStats()
         self._held: set[Slab] = set()
-        self._pieces: dict[str, list[Piece]] = defaultdict(list)
+        self._pieces: dict[str, list[dict[str, Any]]] = defaultdict(list)  # JSON-form Pieces, per item
         self._object_lengths: dict[str, int] = {}
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
@@ -126,13 +126,13 @@ class CheckpointJob:
             await self._flow()
             where = f"tier {tier.name}: fsync of {self._writer.path}"
             file = await storage_call(self.ctx.io, where, self._writer.finish)
-            manifest = self._manifest(file.model_copy())
-            index = index_bytes(self.ctx.rank, self.step, file, manifest.items)
+            manifest = self._manifest(file)
+            index = index_bytes(self.ctx.rank, self.step, file, manifest["items"])
             index_path = partial / index_file_name(self.ctx.rank)
             await storage_call(
                 self.ctx.io, f"tier {tier.name}: writing {index_path}", write_durably, index_path, index, retry=retry
             )
-            manifest = manifest.model_copy(update={"indexes": {index_file_name(self.ctx.rank): checksum(index)}})
+            manifest["indexes"] = {index_file_name(self.ctx.rank): checksum(index)}
             where = f"tier {tier.name}: committing {partial}"
             final = await storage_call(self.ctx.io, where, commit.commit, self.step, manifest)
         except BaseException as exc:
@@ -284,19 +284,16 @@ class CheckpointJob:
         if chunk.slab is not None:
             self._release(chunk.slab)
 
-    def _manifest(self, file: FileRecord) -> Manifest:
-        items: dict[str, TensorRecord | ObjectRecord | AliasRecord] = {}
+    def _manifest(self, file: FileRecord) -> ManifestBody:
+        """This rank's manifest, in JSON form (plain dicts: a checkpoint may hold 10^4 tensors)."""
+        items: dict[str, dict[str, Any]] = {}
         for item in self.plan.tensors:
             t = item.tensor
-            shard = None
-            if item.shard is not None:
-                shard = ShardRecord(global_shape=list(item.shard.global_shape), offsets=list(item.shard.offsets))
-            pieces = sorted(self._pieces.get(item.key, []), key=lambda p: p.item_offset)
-            items[item.key] = TensorRecord(dtype=dtype_name(t.dtype), shape=list(t.shape), shard=shard, pieces=pieces)
+            shard = None if item.shard is None else (list(item.shard.global_shape), list(item.shard.offsets))
+            pieces = sorted(self._pieces.get(item.key, []), key=itemgetter("item_offset"))
+            items[item.key] = tensor_body(dtype_name(t.dtype), list(t.shape), pieces, shard)
         for obj in self.plan.objects:
-            items[obj.key] = ObjectRecord(
-                serializer=obj.serializer, length=self._object_lengths[obj.key], pieces=self._pieces[obj.key]
-            )
+            items[obj.key] = object_body(obj.serializer, self._object_lengths[obj.key], self._pieces[obj.key])
         for key, target in self.plan.aliases.items():
-            items[key] = AliasRecord(of=target)
-        return Manifest(step=self.step, created=now_iso(), files={self._writer.name: file}, items=items)
+            items[key] = alias_body(target)
+        return manifest_body(self.step, {self._writer.name: file}, items)

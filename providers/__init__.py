@@ -8,6 +8,7 @@ from providers.objects import ObjectProvider
 from providers.optimizer import OptimizerProvider
 from providers.rng import RNGProvider
 from providers.stateful import Stateful, StatefulProvider
+from providers.tensors import TensorDictProvider
 from providers.tree import TENSOR_MARKER, join_tensors, split_tensors
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "StateProvider",
     "Stateful",
     "StatefulProvider",
+    "TensorDictProvider",
     "TensorItem",
     "join_tensors",
     "require_keys",

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from conftest import TensorDictProvider
 from pipeline.handle import CheckpointFailed
 from pipeline.restore import NoCheckpointError
-from providers import ObjectProvider
+from providers import ObjectProvider, TensorDictProvider
 from tiers import cli
 from tiers.filesystem import CheckpointExistsError, TierError
+from tiers.format import Manifest, parse_index
 
 
 def _state(mib: int = 1) -> dict[str, torch.Tensor]:
@@ -27,6 +27,27 @@ def test_committed_layout_and_nothing_partial_left(make_runner, tmp_path):
     assert sorted(p.name for p in result.path.iterdir()) == ["manifest.json", "rank-00000.data", "rank-00000.index"]
     assert [p.name for p in (tmp_path / "nvme").iterdir()] == ["step-4"]
     assert runner.steps() == {"nvme": [4], "pfs": []}
+
+
+def test_manifest_is_written_in_the_exact_form_the_schema_reads(make_runner):
+    """The pipeline writes manifests as plain dicts (fast with 10^4 items), not through the pydantic
+    records: what it writes must be exactly what the schema would write for the same checkpoint."""
+    w = torch.arange(600_000, dtype=torch.float32)
+    tensors = {"w": w, "tied": w, "h": torch.ones(3, 5, dtype=torch.bfloat16).t(), "empty": torch.empty(0, 2)}
+    runner = make_runner(chunk_size="1MiB")
+    runner.register(t=TensorDictProvider(tensors), meta=ObjectProvider({"epoch": 3}))
+    path = runner.checkpoint(6).result().path
+    raw = (path / "manifest.json").read_bytes()
+    doc = json.loads(raw)
+    body = doc["manifest"]
+    assert Manifest.model_validate(body).model_dump(mode="json") == body
+    assert raw == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    items = body["items"]
+    assert items["t/tied"] == {"kind": "alias", "of": "t/w"}
+    assert [p["item_offset"] for p in items["t/w"]["pieces"]] == [0, 1 << 20, 2 << 20]  # split over 3 chunks
+    assert items["t/h"]["shape"] == [5, 3] and items["t/empty"]["pieces"] == []
+    index = parse_index((path / "rank-00000.index").read_bytes(), "index")
+    assert {key: record.model_dump(mode="json") for key, record in index.items.items()} == items
 
 
 def test_directory_without_manifest_is_never_listed_or_restored(make_runner, tmp_path):

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from conftest import TensorDictProvider
+from providers import TensorDictProvider
 from tiers import codecs
 from tiers.reader import load
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from dist_worker import DTENSOR_SHAPE, SHARDED_SHAPE, DTensorHolder, global_values, make_model
 
-from conftest import REPO, TensorDictProvider
+from conftest import REPO
 from pipeline.runner import Runner
-from providers import ModuleProvider
+from providers import ModuleProvider, TensorDictProvider
 from tiers import cli
 from tiers.filesystem import FilesystemTier
 from tiers.format import ShardedRecord, TensorRecord

@@ -11,8 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import TensorDictProvider
-from providers import ObjectProvider
+from providers import ObjectProvider, TensorDictProvider
 from tiers import cli
 from tiers.dtypes import DTYPES
 from tiers.filesystem import FilesystemTier

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import TensorDictProvider
-from providers import ModuleProvider, OptimizerProvider
+from providers import ModuleProvider, OptimizerProvider, TensorDictProvider
 
 
 def _model(width: int = 512, depth: int = 4) -> torch.nn.Module:

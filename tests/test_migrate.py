@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TensorDictProvider
-from providers import ObjectProvider
+from conftest import REPO
+from providers import ObjectProvider, TensorDictProvider
 from tiers import cli
 from tiers.filesystem import FilesystemTier
 from tiers.format import ManifestError

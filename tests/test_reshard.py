@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEFAULT_YAML, TensorDictProvider
+from conftest import DEFAULT_YAML
 from pipeline.assign import balance
 from pipeline.runner import Runner
-from providers import ModuleProvider, ShardInfo, TensorItem
+from providers import ModuleProvider, ShardInfo, TensorDictProvider, TensorItem
 from tiers.boxes import Box, tiling_problem
 from tiers.format import (
     FileRecord,

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TensorDictProvider
+from conftest import REPO
+from providers import TensorDictProvider
 from tiers import cli
 from tiers.filesystem import FilesystemTier
 from tiers.locks import reading

@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from conftest import TensorDictProvider
 from providers import (
     CompositeProvider,
     ModuleProvider,
@@ -15,6 +14,7 @@ from providers import (
     OptimizerProvider,
     RNGProvider,
     StatefulProvider,
+    TensorDictProvider,
 )
 from tiers.dtypes import DTYPES
 from tiers.format import read_manifest

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from conftest import TensorDictProvider
+from providers import TensorDictProvider
 from tiers import cli
 from tiers.filesystem import FilesystemTier
 from tiers.migrate import migrate

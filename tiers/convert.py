@@ -201,7 +201,7 @@ def rewrite(
         files[name] = _write_file(source, manifest, target / name, fmt, align, file_leaves, pieces, progress)
         rank = int(_RANK_RE.match(name).group(1))
         keys = {lid[0] for lid, _ in file_leaves}
-        index = index_bytes(rank, manifest.step, files[name], {k: manifest.items[k] for k in keys})
+        index = index_bytes(rank, manifest.step, files[name], {k: manifest.items[k].model_dump() for k in keys})
         write_durably(target / index_file_name(rank), index)
         indexes[index_file_name(rank)] = checksum(index)
     items = {key: _with_pieces(key, record, pieces) for key, record in manifest.items.items()}

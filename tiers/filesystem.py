@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiers import faults
-from tiers.format import MANIFEST_NAME, Manifest, ManifestError, manifest_bytes, read_manifest, write_durably
+from tiers.format import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestBody,
+    ManifestError,
+    manifest_bytes,
+    read_manifest,
+    write_durably,
+)
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
@@ -66,7 +74,7 @@ class FilesystemTier:
         faults.point("begin", partial)
         return partial
 
-    def commit(self, step: int, manifest: Manifest) -> Path:
+    def commit(self, step: int, manifest: Manifest | ManifestBody) -> Path:
         """Manifest last, then the atomic rename; only after this does ``step`` exist on the tier."""
         partial = self.partial_dir(step)
         for child in partial.iterdir():
