@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bandwidth", default="100MB", help="throttled tier bandwidth")
+    parser.add_argument("--level", type=int, default=1, help="zstd level of the time-to-durable runs")
     args = parser.parse_args(argv)
     warn_if_busy()
     facts = machine_facts(Path("checkpoints"))
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     with bench_root("compression") as root:
         ckpts = {name: make_checkpointer(f"tierstate-{i}", states[label], root,
                                          cache_bytes=cache_for(states[label].tensor_bytes), codec=codec,
-                                         bandwidth=bw, level=3)
+                                         bandwidth=bw, level=args.level)
                  for i, (name, label, codec, bw) in enumerate(variants)}
         for ckpt in ckpts.values():
             time_save(ckpt, 0)
@@ -158,13 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         e2e.add(label, f"{bw / 1e6:.0f} MB/s" if bw else "local disk", codec, fmt_bytes(nbytes),
                 fmt_bytes(stored[name]), f"{nbytes / stored[name]:.3f}", fmt_s(t), f"{gbps(nbytes, t):.2f}",
                 fmt_ratio(median(seconds[partner]) / t) if codec == "zstd" else "-")
-    e2e.note("tierstate, zstd level 3, shuffle auto, 2 compress workers, host cache sized to hold the state; "
-             "the throttle paces the bytes actually written (stored bytes)")
+    e2e.note(f"tierstate, zstd level {args.level}, shuffle auto, 2 compress workers, host cache sized to hold the "
+             "state; the throttle paces the bytes actually written (stored bytes)")
     e2e.raw = {"seconds": seconds, "stored": stored, "args": vars(args)}
     codec_report.print()
     e2e.print()
-    path = save_reports("compression", [codec_report, e2e], facts, argv if argv is not None else sys.argv[1:])
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("compression", [codec_report, e2e], facts, argv)
     return 0
 
 

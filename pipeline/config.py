@@ -184,7 +184,7 @@ class CompressStage(StageBase):
 
     kind: Literal["compress"] = "compress"
     codec: Literal["none", "zstd"] = "zstd"
-    level: Annotated[StrictInt, Field(ge=-7, le=22)] = 3
+    level: Annotated[StrictInt, Field(ge=-7, le=22)] = 1  # configs/compressed.yaml says why
     threads: Annotated[StrictInt, Field(ge=0)] = 0
     # Byte-shuffle by the chunk's element size before zstd (auto), or compress the bytes as they are (off).
     shuffle: Literal["auto", "off"] = "auto"
