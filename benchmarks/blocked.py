@@ -39,12 +39,11 @@ from benchmarks.common import (  # noqa: E402
     build_gpt,
     cache_for,
     fmt_bytes,
-    interleave,
     machine_facts,
     make_checkpointer,
     save_reports,
     slowdown_note,
-    train_run,
+    train_rounds,
     warm_up,
     warn_if_busy,
 )
@@ -80,12 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in methods
         }
         warm_up(ckpts.values())
-        runs: dict[str, list[dict]] = {name: [] for name in methods}
-        for repeat, name in interleave(methods, args.repeats):
-            result = train_run(state, ckpts[name], args.steps, args.every)
-            runs[name].append(result)
-            print(f"round {repeat + 1} {name:30s} loop {result['loop_s']:.2f} s  blocked "
-                  + " ".join(f"{b:.3f}" for b in result["blocked_s"]) + " s", file=sys.stderr, flush=True)
+        runs = train_rounds(state, ckpts, args.steps, args.every, args.repeats)
         setups = {name: ckpts[name].setup for name in methods}
         for ckpt in ckpts.values():
             ckpt.close()
@@ -111,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                     "plain memory; tierstate's host cache is not pinned either")
     report.note(slowdown_note(args.every))
     report.print()
-    name = f"blocked-{args.tag}" if args.tag else "blocked"
-    path = save_reports(name, [report], facts, argv if argv is not None else sys.argv[1:], script="blocked")
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("blocked", [report], facts, argv, tag=args.tag)
     return 0
 
 

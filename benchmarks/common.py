@@ -39,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:  # run as `python benchmarks/x.py`: make the 
 from examples.gpt import GPT, GPTConfig, TokenStream  # noqa: E402
 from pipeline.runner import Runner  # noqa: E402
 from providers import ModuleProvider, OptimizerProvider, TensorDictProvider  # noqa: E402
+from tiers.filesystem import fsync_dir  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20
@@ -73,14 +74,6 @@ def interleave(names: list[str], repeats: int) -> Iterator[tuple[int, str]]:
 
 def load_average() -> float:
     return os.getloadavg()[0]
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fresh_dir(path: Path) -> Path:
@@ -479,7 +472,7 @@ class TierstateCheckpointer(Checkpointer):
         cache_bytes: int,
         chunk_bytes: int = 16 * MiB,
         codec: str = "none",
-        level: int = 3,
+        level: int = 1,
         bandwidth: int | None = None,
         io: str = "auto",
         yaml_path: Path = DEFAULT_YAML,
@@ -784,6 +777,24 @@ def train_run(
             "blocked_s": [r.blocked_s for r in records], "durable_s": [r.durable_s for r in records]}
 
 
+def train_rounds(
+    state: GPTState,
+    ckpts: Mapping[str, Checkpointer],
+    steps: int,
+    every: int,
+    repeats: int,
+    sync: Callable[[], object] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """:func:`train_run` of every method, interleaved over ``repeats`` rounds; one progress line per run."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ckpts}
+    for repeat, name in interleave(list(ckpts), repeats):
+        result = train_run(state, ckpts[name], steps, every, sync)
+        runs[name].append(result)
+        print(f"round {repeat + 1} {name:30s} loop {result['loop_s']:.2f} s  blocked "
+              + " ".join(f"{b:.3f}" for b in result["blocked_s"]) + " s", file=sys.stderr, flush=True)
+    return runs
+
+
 def warm_up(ckpts: Iterable[Checkpointer]) -> None:
     """One checkpoint per method before timing (allocations, stager caches, first-use imports), then forget it."""
     for ckpt in ckpts:
@@ -797,7 +808,7 @@ def slowdown_note(every: int) -> str:
     """How the blocked table's two slowdowns are computed (shared by blocked.py and gpu.py)."""
     return ("slowdown (run) = loop wall time / the `none` run of the same round - 1, median over rounds (a run has "
             "no checkpoint in its last interval); slowdown (steady) = extra seconds per checkpoint within the run "
-            "(its steps' sum - steps x its median step, minus the same for the `none` run) / "
+            "(its steps' sum - steps x its median step, minus the median of the same over the `none` runs) / "
             f"({every} x that median step): a long run checkpointing every {every} steps; 'durable after' = from "
             "the request to committed on disk; one untimed warm-up checkpoint per method first")
 
@@ -811,8 +822,8 @@ def blocked_report(
     no checkpoint in its last interval, so it holds fewer than one per ``every`` steps); ``steady`` is
     what a long run with a checkpoint every ``every`` steps loses: the extra seconds per checkpoint,
     taken within the run (sum of its steps - steps x its median step, so drift of the shared machine
-    between runs cancels; minus the same excess of the ``none`` run, which the skew of step times
-    gives even without checkpoints), over ``every`` median steps.
+    between runs cancels; minus the median of the same excess over the ``none`` runs, which the skew
+    of step times gives even without checkpoints), over ``every`` median steps.
     """
     report = Report(name, title, ["method", "blocked/ckpt", "max", "torch.save÷this", f"{async_baseline}÷this",
                                   "step", "slowdown (run)", f"slowdown (steady, every {every})", "durable after"])
@@ -831,11 +842,12 @@ def blocked_report(
         def excess(run: dict[str, Any]) -> float:  # seconds above the run's own median step
             return sum(run["step_s"]) - len(run["step_s"]) * median(run["step_s"])
 
-        for i, r in enumerate(method_runs if method != "none" else []):
+        # Steps are skewed (an occasional slow one), so a run without checkpoints has some excess too: the
+        # median excess of the `none` runs is subtracted (one round's own `none` run, as before, let one
+        # stray 2.5 s step there turn that round's checkpoints into a negative cost).
+        skew = median(excess(n) for n in baseline) if baseline else 0.0
+        for r in method_runs if method != "none" else []:
             if r["blocked_s"]:
-                # Steps are skewed (an occasional slow one), so a run without checkpoints has some excess too:
-                # the `none` run of the same round is subtracted.
-                skew = excess(baseline[i]) if baseline else 0.0
                 per_checkpoint = (excess(r) - skew) / len(r["blocked_s"])
                 steady.append(per_checkpoint / (every * median(r["step_s"])))
         report.add(
@@ -894,17 +906,20 @@ class Report:
 
 
 def save_reports(
-    name: str, reports: list[Report], facts: Mapping[str, str], argv: list[str], script: str | None = None
+    script: str, reports: list[Report], facts: Mapping[str, str], argv: list[str] | None, tag: str = ""
 ) -> Path:
-    """``benchmarks/results/<name>.json`` (raw numbers) and ``.md`` (the tables as printed)."""
+    """``benchmarks/results/<script>[-<tag>].json`` (raw numbers) and ``.md`` (the tables as printed),
+    headed by the command that made them (``argv``: the script's arguments, None = this process's)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    name = f"{script}-{tag}" if tag else script
     facts = {**facts, "load_avg_end": f"{load_average():.2f}"}
-    command = "python " + " ".join([f"benchmarks/{script or name}.py", *argv])
+    command = "python " + " ".join([f"benchmarks/{script}.py", *(sys.argv[1:] if argv is None else argv)])
     payload = {"command": command, "machine": facts, "reports": [vars(r) for r in reports]}
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1, default=str))
     md = [f"`{command}`", "", *(f"- {k}: {v}" for k, v in facts.items()), ""] + [r.markdown() for r in reports]
     (RESULTS_DIR / f"{name}.md").write_text("\n".join(md))
+    print(f"raw numbers: {path}", file=sys.stderr)
     return path
 
 

@@ -122,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     report.raw = {"state_bytes": nbytes, "seconds": seconds, "stored": stored, "args": vars(args),
                   "threads": torch.get_num_threads()}
     report.print()
-    name = f"durable-{args.tag}" if args.tag else "durable"
-    path = save_reports(name, [report], facts, argv if argv is not None else sys.argv[1:], script="durable")
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("durable", [report], facts, argv, tag=args.tag)
     return 0
 
 

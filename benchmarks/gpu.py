@@ -52,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     save_reports,
     slowdown_note,
     time_save,
-    train_run,
+    train_rounds,
     warm_up,
 )
 from examples.gpt import GPTConfig  # noqa: E402
@@ -157,12 +157,7 @@ def training_loop(args: argparse.Namespace, device: torch.device, root: Path) ->
               f"{args.every} steps", file=sys.stderr, flush=True)
     if not args.steps:
         args.steps = 3 * args.every  # two checkpoints per run, the last interval without one
-    runs: dict[str, list[dict]] = {name: [] for name in METHODS}
-    for repeat, name in interleave(METHODS, args.repeats):
-        runs[name].append(train_run(state, ckpts[name], args.steps, args.every, sync=lambda: sync(device)))
-        r = runs[name][-1]
-        print(f"round {repeat + 1} {name:30s} loop {r['loop_s']:.2f} s blocked "
-              + " ".join(f"{b:.3f}" for b in r["blocked_s"]), file=sys.stderr, flush=True)
+    runs = train_rounds(state, ckpts, args.steps, args.every, args.repeats, sync=lambda: sync(device))
     setups = {name: ckpt.setup for name, ckpt in ckpts.items()}
     for ckpt in ckpts.values():
         ckpt.close()
@@ -220,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(training_loop(args, device, root))
     for report in reports:
         report.print()
-    name = "gpu" if device.type == "cuda" else "gpu-cpu-smoke"
-    path = save_reports(name, reports, facts, argv if argv is not None else sys.argv[1:])
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("gpu", reports, facts, argv, tag="" if device.type == "cuda" else "cpu-smoke")
     return 0
 
 

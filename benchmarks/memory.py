@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 "clear_refs, so it covers exactly the checkpointer's creation and its checkpoints")
     report.raw = {"results": results, "args": vars(args)}
     report.print()
-    path = save_reports("memory", [report], facts, argv if argv is not None else sys.argv[1:])
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("memory", [report], facts, argv)
     return 0
 
 

@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         report.add(name, fmt_s(median(seconds[name])), f"{gbps(stored, median(seconds[name])):.2f}", durable, verified)
     report.raw = {"stored_bytes": stored, "seconds": seconds, "args": vars(args)}
     report.print()
-    path = save_reports("migrate_vs_cp", [report], facts, argv if argv is not None else sys.argv[1:])
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("migrate_vs_cp", [report], facts, argv)
     return 0
 
 

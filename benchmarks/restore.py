@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     report.raw = {"state_bytes": nbytes, "cold": cold, "warm": warm, "stored": stored, "dropped": can_drop,
                   "args": vars(args)}
     report.print()
-    path = save_reports("restore", [report], facts, argv if argv is not None else sys.argv[1:])
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("restore", [report], facts, argv)
     return 0
 
 

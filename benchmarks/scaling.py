@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     reports[-1].raw["args"] = vars(args)
     for report in reports:
         report.print()
-    path = save_reports("scaling", reports, facts, argv if argv is not None else sys.argv[1:])
-    print(f"raw numbers: {path}", file=sys.stderr)
+    save_reports("scaling", reports, facts, argv)
     return 0
 
 

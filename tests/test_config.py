@@ -90,7 +90,7 @@ def test_shipped_configs_load(name: str, codec: str, tmp_path: Path, monkeypatch
     assert cfg.tiers["pfs"].path == tmp_path / "checkpoints" / "pfs"
     compress = cfg.stage_of_kind("compress")
     assert isinstance(compress, CompressStage)
-    assert (compress.codec, compress.level, compress.threads, compress.workers, compress.queue) == (codec, 3, 0, 2, 4)
+    assert (compress.codec, compress.level, compress.threads, compress.workers, compress.queue) == (codec, 1, 0, 2, 4)
     persist = cfg.stage_of_kind("persist")
     assert isinstance(persist, PersistStage) and persist.bandwidth is None
     assert cfg.policies.in_flight == "wait" and cfg.policies.allow_pickle is False

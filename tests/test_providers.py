@@ -22,6 +22,7 @@ from providers import (
     RNGProvider,
     StatefulProvider,
     StateProvider,
+    TensorDictProvider,
     TensorItem,
     join_tensors,
     split_tensors,
@@ -455,3 +456,16 @@ def test_composite_names() -> None:
     with pytest.raises(TypeError):
         root.add("y", object())
     assert list(root.add("y", ObjectProvider(2)).children) == ["x", "y"]
+
+
+def test_tensor_dict_provider_restores_every_dtype_in_place_and_names_missing_keys() -> None:
+    bits = torch.tensor([0xA5, 0x0F], dtype=torch.uint8).view(torch.bits8)
+    tensors = {"w": torch.zeros(3), "f8": torch.zeros(4, dtype=torch.float8_e4m3fn), "bits": torch.zeros_like(bits)}
+    provider = TensorDictProvider(tensors)
+    w = tensors["w"]
+    provider.restore({"w": torch.arange(3.0), "f8": torch.ones(4).to(torch.float8_e4m3fn), "bits": bits})
+    assert tensors["w"] is w and torch.equal(w, torch.arange(3.0))
+    assert torch.equal(tensors["f8"].view(torch.uint8), torch.ones(4).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(tensors["bits"].view(torch.uint8), bits.view(torch.uint8))
+    with pytest.raises(RestoreError, match=r"TensorDictProvider: checkpoint lacks 2 item\(s\): bits, f8"):
+        provider.restore({"w": torch.arange(3.0)})
