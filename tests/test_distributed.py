@@ -24,7 +24,7 @@ from pipeline.runner import Runner
 from providers import ModuleProvider, TensorDictProvider
 from tiers import cli
 from tiers.filesystem import FilesystemTier
-from tiers.format import ShardedRecord, TensorRecord
+from tiers.format import ShardedRecord, TensorRecord, parse_index
 from tiers.migrate import migrate
 from tiers.reader import load
 from tiers.verify import verify_step
@@ -183,5 +183,20 @@ def test_migrate_and_verify_keep_every_rank_file(work, tmp_path):
         "rank-00000.data", "rank-00000.index", "rank-00001.data", "rank-00001.index",
     ]  # fmt: skip
     copied, original = load(target.step_dir(1)), load(source.step_dir(1))
+    for key, value in original.items():
+        assert torch.equal(copied[key], value) if isinstance(value, torch.Tensor) else copied[key] == value, key
+
+
+def test_format_rewrite_of_a_multi_rank_checkpoint_keeps_each_rank_its_own_index(work, tmp_path):
+    source = FilesystemTier("nvme", work / "tiers" / "save" / "nvme")
+    target = FilesystemTier("pfs", tmp_path / "pfs")
+    migrate(1, source, target, fmt="hdf5")
+    assert verify_step(target, 1).ok
+    step_dir = target.step_dir(1)
+    for rank in (0, 1):
+        index = parse_index((step_dir / f"rank-{rank:05d}.index").read_bytes(), f"rank {rank} index")
+        files = {p.file for record in index.items.values() for p in getattr(record, "pieces", [])}
+        assert index.rank == rank and files == {f"rank-{rank:05d}.h5"}
+    copied, original = load(step_dir), load(source.step_dir(1))
     for key, value in original.items():
         assert torch.equal(copied[key], value) if isinstance(value, torch.Tensor) else copied[key] == value, key

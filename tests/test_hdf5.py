@@ -15,6 +15,7 @@ from providers import ObjectProvider, TensorDictProvider
 from tiers import cli
 from tiers.dtypes import DTYPES
 from tiers.filesystem import FilesystemTier
+from tiers.format import parse_index
 from tiers.verify import verify_step
 
 NATIVE = {"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32",
@@ -129,6 +130,11 @@ def test_migrate_to_hdf5_then_restore_from_it(make_runner, tmp_path):
     tiers = ["--tier", f"nvme={tmp_path / 'nvme'}", "--tier", f"pfs={tmp_path / 'pfs'}"]
     assert cli.main(["migrate", "2", "--from", "nvme", "--to", "pfs", "--format", "hdf5", "--move", *tiers]) == 0
     assert FilesystemTier("nvme", tmp_path / "nvme").steps() == []
+    # The rewritten checkpoint's index describes the rewritten file, not the source's.
+    moved = FilesystemTier("pfs", tmp_path / "pfs")
+    index = parse_index((moved.step_dir(2) / "rank-00000.index").read_bytes(), "rewritten index")
+    assert index.items == moved.manifest(2).items and set(index.items) == {f"t/{k}" for k in tensors}
+    assert {p.file for record in index.items.values() for p in getattr(record, "pieces", [])} == {"rank-00000.h5"}
     for t in tensors.values():
         t.reshape(-1).view(torch.uint8).fill_(0)
     assert runner.restore(2).tier == "pfs"
