@@ -836,6 +836,7 @@ def blocked_report(
     for method, method_runs in runs.items():
         blocked = blocked_of(method)
         b = median(blocked)
+        compared = bool(blocked) and method != CopyFloorCheckpointer.name  # the floor saves nothing: no ratio
         slowdowns, steady = [], []
         if baseline and method != "none":
             slowdowns = [r["loop_s"] / n["loop_s"] - 1 for r, n in zip(method_runs, baseline, strict=True)]
@@ -854,8 +855,8 @@ def blocked_report(
             method,
             fmt_s(b) if blocked else "-",
             fmt_s(max(blocked)) if blocked else "-",
-            fmt_ratio(base_save / b) if blocked else "-",
-            fmt_ratio(base_async / b) if blocked else "-",
+            fmt_ratio(base_save / b) if compared else "-",
+            fmt_ratio(base_async / b) if compared else "-",
             fmt_s(median(s for r in method_runs for s in r["step_s"])),
             f"{median(slowdowns) * 100:+.1f}%" if slowdowns else "-",
             f"{median(steady) * 100:+.1f}%" if steady else "-",
