@@ -421,6 +421,23 @@ class Checkpointer:
         """Wait until the state may change again (captured / staged); seconds waited."""
         return self.before_step()
 
+    @staticmethod
+    def _wait(future: concurrent.futures.Future[Any] | None) -> float:
+        """Seconds spent waiting for ``future`` (none when it is None or done)."""
+        if future is None or future.done():
+            return 0.0
+        started = time.perf_counter()
+        future.result()
+        return time.perf_counter() - started
+
+    def _block_on(self, future: concurrent.futures.Future[Any] | None) -> float:
+        """Wait for ``future`` (the state's copy) before the optimizer steps; the seconds count as the
+        latest checkpoint's blocked time."""
+        waited = self._wait(future)
+        if waited and self.records:
+            self.records[-1].blocked_s += waited
+        return waited
+
     def drain(self) -> float:
         return 0.0
 
@@ -640,20 +657,10 @@ class DCPAsyncCheckpointer(Checkpointer):
         self._upload.add_done_callback(done)
 
     def before_step(self) -> float:
-        if self._staged is None or self._staged.done():
-            return 0.0
-        started = time.perf_counter()
-        self._staged.result()
-        waited = time.perf_counter() - started
-        if self.records:
-            self.records[-1].blocked_s += waited
-        return waited
+        return self._block_on(self._staged)
 
     def drain(self) -> float:
-        started = time.perf_counter()
-        if self._upload is not None:
-            self._upload.result()
-        return time.perf_counter() - started
+        return self._wait(self._upload)
 
     def restore(self, step: int) -> None:
         state = self.state.state_dict()
@@ -691,16 +698,10 @@ class CopyFloorCheckpointer(Checkpointer):
         self._copied = self._pool.submit(self._copy, record)
 
     def before_step(self) -> float:
-        if self._copied is None or self._copied.done():
-            return 0.0
-        started = time.perf_counter()
-        self._copied.result()
-        waited = time.perf_counter() - started
-        self.records[-1].blocked_s += waited
-        return waited
+        return self._block_on(self._copied)
 
     def drain(self) -> float:
-        return self.before_step()
+        return self._wait(self._copied)
 
     def close(self) -> None:
         self.drain()

@@ -109,15 +109,6 @@ def leaves(key: str, record: AnyRecord) -> Iterator[tuple[LeafId, Leaf]]:
         yield (key, None), record
 
 
-def _leaf(record: AnyRecord, sub: Hashable) -> AnyRecord:
-    """The leaf ``sub`` of ``record`` (see :func:`leaves`): a shard, one rank's value, or the record."""
-    if isinstance(record, ShardedRecord):
-        return record.shards[sub]
-    if isinstance(record, PerRankRecord):
-        return record.ranks[sub]
-    return record
-
-
 def _with_pieces(key: str, record: AnyRecord, pieces: dict[LeafId, list[Piece]]) -> AnyRecord:
     """``record`` with every leaf's pieces replaced by the rewritten ones."""
     if isinstance(record, ShardedRecord):
@@ -209,9 +200,10 @@ def rewrite(
     for name, file_leaves in sorted(by_file.items()):
         files[name] = _write_file(source, manifest, target / name, fmt, align, file_leaves, pieces, progress)
     items = {key: _with_pieces(key, record, pieces) for key, record in manifest.items.items()}
+    rewritten_leaves = dict(leaf for key, record in items.items() for leaf in leaves(key, record))
     for name, file_leaves in sorted(by_file.items()):
         # Each index holds its rank's own records, rewritten: the leaves in its file, and the aliases of those.
-        own = {lid[0]: _leaf(items[lid[0]], lid[1]) for lid, _ in file_leaves}
+        own = {lid[0]: rewritten_leaves[lid] for lid, _ in file_leaves}
         own |= {key: r for key, r in items.items() if isinstance(r, AliasRecord) and r.of in own}
         rank = int(_RANK_RE.match(name).group(1))
         index = index_bytes(rank, manifest.step, files[name], {k: r.model_dump(mode="json") for k, r in own.items()})
