@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as `python benchmarks/x.py`: make the packages importable
+if str(REPO_ROOT) not in sys.path:  # run as `python benchmarks/x.py`: make `benchmarks` and `examples` importable
     sys.path.insert(0, str(REPO_ROOT))
 
 from examples.gpt import GPT, GPTConfig, TokenStream  # noqa: E402
-from pipeline.runner import Runner  # noqa: E402
-from providers import ModuleProvider, OptimizerProvider, TensorDictProvider  # noqa: E402
-from tiers.filesystem import fsync_dir  # noqa: E402
+from tierstate.pipeline.runner import Runner  # noqa: E402
+from tierstate.providers import ModuleProvider, OptimizerProvider, TensorDictProvider  # noqa: E402
+from tierstate.tiers.filesystem import fsync_dir  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20

@@ -47,7 +47,7 @@ from benchmarks.common import (  # noqa: E402
     time_save,
     warn_if_busy,
 )
-from tiers import codecs  # noqa: E402
+from tierstate.tiers import codecs  # noqa: E402
 
 CHUNK = 16 * MiB
 

@@ -58,8 +58,8 @@ def worker(root: Path, total: int, layout: str, repeats: int, out: Path) -> None
     import torch
     import torch.distributed as dist
 
-    from pipeline.runner import Runner
-    from providers.items import ShardInfo, TensorItem
+    from tierstate.pipeline.runner import Runner
+    from tierstate.providers.items import ShardInfo, TensorItem
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

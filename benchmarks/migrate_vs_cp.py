@@ -43,9 +43,9 @@ from benchmarks.common import (  # noqa: E402
     synthetic_state,
     warn_if_busy,
 )
-from pipeline.runner import Runner  # noqa: E402
-from tiers.filesystem import FilesystemTier  # noqa: E402
-from tiers.migrate import migrate  # noqa: E402
+from tierstate.pipeline.runner import Runner  # noqa: E402
+from tierstate.tiers.filesystem import FilesystemTier  # noqa: E402
+from tierstate.tiers.migrate import migrate  # noqa: E402
 
 METHODS = ["cp -r", "cp -r + sync", "tierstate migrate", "tierstate migrate --format hdf5"]
 

@@ -38,14 +38,14 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):  # run as a script: make `examples`, `pipeline`, ... importable
+if __package__ in (None, ""):  # run as a script: make the sibling `examples.gpt` importable
     sys.path.insert(0, str(REPO_ROOT))
 
 from examples.gpt import GPT, GPTConfig, TokenStream  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult  # noqa: E402
-from pipeline.runner import Runner  # noqa: E402
-from providers import (  # noqa: E402
+from tierstate.pipeline.config import load_config  # noqa: E402
+from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult  # noqa: E402
+from tierstate.pipeline.runner import Runner  # noqa: E402
+from tierstate.providers import (  # noqa: E402
     ModuleProvider,
     ObjectProvider,
     OptimizerProvider,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.plan import ChunkPlan, TensorPiece
-from pipeline.units import Chunk, ChunkEntry
-from tiers import faults
-from tiers.hostcache import Slab
+from ..tiers import faults
+from ..tiers.hostcache import Slab
+from .plan import ChunkPlan, TensorPiece
+from .units import Chunk, ChunkEntry
 
 
 def record_ready_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:

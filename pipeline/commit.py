@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.plan import CheckpointPlan
-from tiers.filesystem import FilesystemTier
-from tiers.format import ManifestBody
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import ManifestBody
+from .plan import CheckpointPlan
 
 
 class Commit(Protocol):

@@ -36,7 +36,9 @@ from pydantic import (
     model_validator,
 )
 
-from tiers.policy import FlushPolicy, RetentionPolicy
+from tierstate.errors import TierstateError
+
+from ..tiers.policy import FlushPolicy, RetentionPolicy
 
 __all__ = [
     "STAGE_KINDS",
@@ -72,7 +74,7 @@ _SUCCESSORS: dict[str, frozenset[str]] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(TierstateError, ValueError):
     """An invalid pipeline config; ``problems`` holds one ``key.path: message`` per problem.
 
     A ValueError so callers that treat bad input generically still catch it; ``source`` names the

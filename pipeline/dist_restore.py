@@ -29,18 +29,18 @@ from typing import Any
 
 import torch
 
-from pipeline.assign import balance
-from pipeline.distributed import CheckpointGroup
-from pipeline.restore import NoCheckpointError, RestoreResult, resolve_step, restore_into
-from providers.composite import CompositeProvider
-from providers.items import TensorItem
-from tiers.boxes import Box
-from tiers.dtypes import dtype_from_name
-from tiers.filesystem import FilesystemTier
-from tiers.format import AliasRecord, Manifest, ObjectRecord, PerRankRecord
-from tiers.multirank import rank_view
-from tiers.reader import CorruptCheckpointError, read_items
-from tiers.reshard import Region, global_shape, read_regions, source_files
+from ..providers.composite import CompositeProvider
+from ..providers.items import TensorItem
+from ..tiers.boxes import Box
+from ..tiers.dtypes import dtype_from_name
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import AliasRecord, Manifest, ObjectRecord, PerRankRecord
+from ..tiers.multirank import rank_view
+from ..tiers.reader import CorruptCheckpointError, read_items
+from ..tiers.reshard import Region, global_shape, read_regions, source_files
+from .assign import balance
+from .distributed import CheckpointGroup
+from .restore import NoCheckpointError, RestoreResult, resolve_step, restore_into
 
 RegionId = tuple[str, tuple[int, ...], tuple[int, ...]]  # stored key, box offsets, box shape
 Offer = tuple[int, int | None]  # a shareable region's bytes, and the rank whose file alone holds it

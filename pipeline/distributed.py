@@ -33,12 +33,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from pipeline.assign import balance
-from pipeline.plan import CheckpointPlan, plan_checkpoint
-from providers.items import ObjectItem, TensorItem
-from tiers.filesystem import FilesystemTier
-from tiers.format import Manifest, ManifestBody
-from tiers.multirank import RankPart, merge_parts
+from tierstate.errors import TierstateError
+
+from ..providers.items import ObjectItem, TensorItem
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import Manifest, ManifestBody
+from ..tiers.multirank import RankPart, merge_parts
+from .assign import balance
+from .plan import CheckpointPlan, plan_checkpoint
 
 log = logging.getLogger("tierstate")
 T = TypeVar("T")
@@ -48,7 +50,7 @@ T = TypeVar("T")
 EXIT_BEFORE_VOTE_ENV = "TIERSTATE_TEST_EXIT_BEFORE_VOTE"
 
 
-class CheckpointAborted(RuntimeError):
+class CheckpointAborted(TierstateError, RuntimeError):
     """A multi-rank checkpoint that was not committed; the message says which rank and why."""
 
 

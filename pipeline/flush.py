@@ -24,14 +24,14 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import PipelineConfig
-from pipeline.handle import CheckpointHandle
-from pipeline.units import run_blocking
-from tiers.filesystem import FilesystemTier
-from tiers.migrate import migrate
-from tiers.pacing import Pacer
-from tiers.policy import FlushPolicy
-from tiers.retention import TierPolicies, prune
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.migrate import migrate
+from ..tiers.pacing import Pacer
+from ..tiers.policy import FlushPolicy
+from ..tiers.retention import TierPolicies, prune
+from .config import PipelineConfig
+from .handle import CheckpointHandle
+from .units import run_blocking
 
 log = logging.getLogger("tierstate")
 

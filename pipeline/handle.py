@@ -12,8 +12,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierstate.errors import TierstateError
 
-class CheckpointFailed(RuntimeError):
+
+class CheckpointFailed(TierstateError, RuntimeError):
     """Raised by ``result()`` for a checkpoint that failed or was skipped."""
 
 

@@ -14,13 +14,13 @@ import concurrent.futures
 from pathlib import Path
 from typing import Any
 
-from pipeline.persist import FrameWriter
-from pipeline.plan import CheckpointPlan
-from pipeline.units import Chunk, run_blocking
-from tiers.dtypes import dtype_name
-from tiers.format import FileRecord, Piece, ShardRecord, piece_body
-from tiers.hdf5 import Hdf5Container, hdf5_file_name
-from tiers.pacing import Pacer
+from ..tiers.dtypes import dtype_name
+from ..tiers.format import FileRecord, Piece, ShardRecord, piece_body
+from ..tiers.hdf5 import Hdf5Container, hdf5_file_name
+from ..tiers.pacing import Pacer
+from .persist import FrameWriter
+from .plan import CheckpointPlan
+from .units import Chunk, run_blocking
 
 
 class Hdf5Writer:

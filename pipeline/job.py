@@ -20,18 +20,10 @@ from typing import Any
 
 import torch
 
-from pipeline.capture import SlabCopier
-from pipeline.commit import Commit, TierCommit
-from pipeline.config import PipelineConfig, StageConfig
-from pipeline.hdf5_persist import Hdf5Writer, write_chunk
-from pipeline.persist import FrameWriter
-from pipeline.plan import CheckpointPlan, ChunkPlan
-from pipeline.retry import RetryPolicy, storage_call
-from pipeline.units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
-from tiers import codecs
-from tiers.dtypes import dtype_name
-from tiers.filesystem import FilesystemTier
-from tiers.format import (
+from ..tiers import codecs
+from ..tiers.dtypes import dtype_name
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import (
     FileRecord,
     ManifestBody,
     alias_body,
@@ -44,8 +36,16 @@ from tiers.format import (
     tensor_body,
     write_durably,
 )
-from tiers.hostcache import HostCache, Slab
-from tiers.objcodec import ObjectCodecError, encode_object
+from ..tiers.hostcache import HostCache, Slab
+from ..tiers.objcodec import ObjectCodecError, encode_object
+from .capture import SlabCopier
+from .commit import Commit, TierCommit
+from .config import PipelineConfig, StageConfig
+from .hdf5_persist import Hdf5Writer, write_chunk
+from .persist import FrameWriter
+from .plan import CheckpointPlan, ChunkPlan
+from .retry import RetryPolicy, storage_call
+from .units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
 
 
 @dataclass

@@ -23,11 +23,11 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.retry import RetryPolicy, storage_call
-from pipeline.units import Chunk, run_blocking
-from tiers import faults
-from tiers.format import FileRecord, FrameRecord, checksum
-from tiers.hostcache import Slab
+from ..tiers import faults
+from ..tiers.format import FileRecord, FrameRecord, checksum
+from ..tiers.hostcache import Slab
+from .retry import RetryPolicy, storage_call
+from .units import Chunk, run_blocking
 
 DIRECT_ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size (<= 4 KiB)
 

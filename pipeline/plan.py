@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from providers.items import ObjectItem, TensorItem
+from ..providers.items import ObjectItem, TensorItem
 
 ITEM_ALIGN = 64
 

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
-from providers.composite import CompositeProvider
-from providers.items import hand_over
-from tiers.filesystem import FilesystemTier
-from tiers.format import Manifest, ManifestError
-from tiers.locks import reading
-from tiers.reader import CorruptCheckpointError, read_items
+from tierstate.errors import TierstateError
+
+from ..providers.composite import CompositeProvider
+from ..providers.items import hand_over
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import Manifest, ManifestError
+from ..tiers.locks import reading
+from ..tiers.reader import CorruptCheckpointError, read_items
 
 log = logging.getLogger("tierstate")
 
@@ -30,7 +32,7 @@ CopyReader = Callable[[Path, Manifest, list[str]], dict[str, Any]]
 """Reads the given items of one committed copy: (its directory, its manifest, item keys) -> state."""
 
 
-class NoCheckpointError(FileNotFoundError):
+class NoCheckpointError(TierstateError, FileNotFoundError):
     """No tier holds a committed, readable checkpoint for the requested step."""
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pipeline.units import run_blocking
-from tiers.filesystem import TierError
+from ..tiers.filesystem import TierError
+from .units import run_blocking
 
 T = TypeVar("T")
 log = logging.getLogger("tierstate")

@@ -22,19 +22,19 @@ from typing import Any
 
 import torch
 
-from pipeline.capture import SlabCopier, record_ready_event
-from pipeline.config import PipelineConfig, load_config
-from pipeline.dist_restore import restore_across_ranks
-from pipeline.distributed import DistributedCommit, group_for_runner
-from pipeline.flush import Flusher, FlushFailure
-from pipeline.handle import CheckpointHandle, CheckpointResult
-from pipeline.job import CheckpointJob, JobContext, JobStats
-from pipeline.plan import plan_checkpoint
-from pipeline.restore import RestoreResult, restore_into
-from providers.base import StateProvider
-from providers.composite import CompositeProvider
-from tiers.filesystem import FilesystemTier
-from tiers.hostcache import HostCache
+from ..providers.base import StateProvider
+from ..providers.composite import CompositeProvider
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.hostcache import HostCache
+from .capture import SlabCopier, record_ready_event
+from .config import PipelineConfig, load_config
+from .dist_restore import restore_across_ranks
+from .distributed import DistributedCommit, group_for_runner
+from .flush import Flusher, FlushFailure
+from .handle import CheckpointHandle, CheckpointResult
+from .job import CheckpointJob, JobContext, JobStats
+from .plan import plan_checkpoint
+from .restore import RestoreResult, restore_into
 
 log = logging.getLogger("tierstate")
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from providers.items import ObjectItem
-from tiers.hostcache import Slab
+from ..providers.items import ObjectItem
+from ..tiers.hostcache import Slab
 
 T = TypeVar("T")
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from providers.items import Item
+from tierstate.errors import TierstateError
+
+from .items import Item
 
 
-class RestoreError(Exception):
+class RestoreError(TierstateError):
     """The values read back do not fit the state the provider describes (missing keys, shapes)."""
 
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from providers.base import RestoreError, StateProvider
-from providers.items import Item
+from .base import RestoreError, StateProvider
+from .items import Item
 
 
 class ChildRestoreError(RestoreError):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from providers.items import ShardInfo, TensorItem
+from .items import ShardInfo, TensorItem
 
 try:
     from torch.distributed.tensor import DTensor

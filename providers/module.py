@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from providers.base import RestoreError, require_keys
-from providers.dtensor import like_live, tensor_item
-from providers.items import Item, ObjectItem, Serializer
+from .base import RestoreError, require_keys
+from .dtensor import like_live, tensor_item
+from .items import Item, ObjectItem, Serializer
 
 
 class ModuleProvider:

@@ -6,8 +6,8 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from providers.base import require_keys
-from providers.items import Item, ObjectItem, Serializer
+from .base import require_keys
+from .items import Item, ObjectItem, Serializer
 
 VALUE_KEY = "value"
 

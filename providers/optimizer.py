@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from providers.items import Serializer, handed_over
-from providers.stateful import StatefulProvider
+from .items import Serializer, handed_over
+from .stateful import StatefulProvider
 
 
 class OptimizerProvider(StatefulProvider):

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from providers.base import require_keys
-from providers.items import Item, ObjectItem, TensorItem
+from .base import require_keys
+from .items import Item, ObjectItem, TensorItem
 
 try:
     import numpy as np

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from providers.base import RestoreError, require_keys
-from providers.items import Item, ObjectItem, Serializer
-from providers.tree import join_tensors, split_tensors
+from .base import RestoreError, require_keys
+from .items import Item, ObjectItem, Serializer
+from .tree import join_tensors, split_tensors
 
 SKELETON_KEY = "skeleton"
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from providers.base import require_keys
-from providers.items import TensorItem
+from .base import require_keys
+from .items import TensorItem
 
 
 class TensorDictProvider:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from providers.base import RestoreError
-from providers.dtensor import tensor_item
-from providers.items import TensorItem
+from .base import RestoreError
+from .dtensor import tensor_item
+from .items import TensorItem
 
 TENSOR_MARKER = "__tierstate_tensor__"
 """The only key of the dict that stands in for a tensor in a skeleton; its value is the item key."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.runner import Runner
+from tierstate.pipeline.runner import Runner
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO / "configs" / "default.yaml"

@@ -22,13 +22,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tierstate.pipeline.distributed import EXIT_BEFORE_VOTE_ENV
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider, ShardInfo
+from tierstate.providers.items import TensorItem
 
-from pipeline.distributed import EXIT_BEFORE_VOTE_ENV  # noqa: E402
-from pipeline.runner import Runner  # noqa: E402
-from providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider, ShardInfo  # noqa: E402
-from providers.items import TensorItem  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
 
 CONFIG = REPO / "configs" / "default.yaml"
 SHARDED_SHAPE = (7, 33)  # rows split unevenly across ranks

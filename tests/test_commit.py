@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from pipeline.handle import CheckpointFailed
-from pipeline.restore import NoCheckpointError
-from providers import ObjectProvider, TensorDictProvider
-from tiers import cli
-from tiers.filesystem import CheckpointExistsError, TierError
-from tiers.format import Manifest, parse_index
+from tierstate.pipeline.handle import CheckpointFailed
+from tierstate.pipeline.restore import NoCheckpointError
+from tierstate.providers import ObjectProvider, TensorDictProvider
+from tierstate.tiers import cli
+from tierstate.tiers.filesystem import CheckpointExistsError, TierError
+from tierstate.tiers.format import Manifest, parse_index
 
 
 def _state(mib: int = 1) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from providers import TensorDictProvider
-from tiers import codecs
-from tiers.reader import load
+from tierstate.providers import TensorDictProvider
+from tierstate.tiers import codecs
+from tierstate.tiers.reader import load
 
 
 def test_compress_into_round_trips_and_refuses_incompressible() -> None:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from pipeline.config import (
+from tierstate.pipeline.config import (
     CompressStage,
     ConfigError,
     PersistStage,

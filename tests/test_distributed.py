@@ -20,14 +20,14 @@ import torch.distributed as dist
 from dist_worker import DTENSOR_SHAPE, SHARDED_SHAPE, DTensorHolder, global_values, make_model
 
 from conftest import REPO
-from pipeline.runner import Runner
-from providers import ModuleProvider, TensorDictProvider
-from tiers import cli
-from tiers.filesystem import FilesystemTier
-from tiers.format import ShardedRecord, TensorRecord, parse_index
-from tiers.migrate import migrate
-from tiers.reader import load
-from tiers.verify import verify_step
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ModuleProvider, TensorDictProvider
+from tierstate.tiers import cli
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.format import ShardedRecord, TensorRecord, parse_index
+from tierstate.tiers.migrate import migrate
+from tierstate.tiers.reader import load
+from tierstate.tiers.verify import verify_step
 
 WORKER = REPO / "tests" / "dist_worker.py"
 LAUNCH_TIMEOUT_S = 180

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from providers import ModuleProvider, ObjectProvider, OptimizerProvider
-from tiers import cli
-from tiers.pacing import Pacer
+from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider
+from tierstate.tiers import cli
+from tierstate.tiers.pacing import Pacer
 
 TIERED_YAML = REPO / "configs" / "tiered.yaml"
 

@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from providers import ObjectProvider, TensorDictProvider
-from tiers import cli
-from tiers.dtypes import DTYPES
-from tiers.filesystem import FilesystemTier
-from tiers.format import parse_index
-from tiers.verify import verify_step
+from tierstate.providers import ObjectProvider, TensorDictProvider
+from tierstate.tiers import cli
+from tierstate.tiers.dtypes import DTYPES
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.format import parse_index
+from tierstate.tiers.verify import verify_step
 
 NATIVE = {"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32",
           "float64", "complex64", "complex128"}  # fmt: skip

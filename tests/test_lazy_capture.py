@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from providers import ModuleProvider, OptimizerProvider, TensorDictProvider
+from tierstate.providers import ModuleProvider, OptimizerProvider, TensorDictProvider
 
 
 def _model(width: int = 512, depth: int = 4) -> torch.nn.Module:

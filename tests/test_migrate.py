@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from conftest import REPO
-from providers import ObjectProvider, TensorDictProvider
-from tiers import cli
-from tiers.filesystem import FilesystemTier
-from tiers.format import ManifestError
-from tiers.migrate import MigrateError, migrate
-from tiers.pacing import Pacer
-from tiers.reader import CorruptCheckpointError, load
-from tiers.verify import verify_step
+from tierstate.providers import ObjectProvider, TensorDictProvider
+from tierstate.tiers import cli
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.format import ManifestError
+from tierstate.tiers.migrate import MigrateError, migrate
+from tierstate.tiers.pacing import Pacer
+from tierstate.tiers.reader import CorruptCheckpointError, load
+from tierstate.tiers.verify import verify_step
 
 MiB = 1 << 20
 
@@ -58,7 +58,7 @@ def _same(loaded: dict, expected: dict) -> bool:
 
 def _tierstate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real CLI in its own process (``python -m tiers``), as a user or a script runs it."""
-    command = [sys.executable, "-m", "tiers", *args, "--tier", f"nvme={tmp_path / 'nvme'}"]
+    command = [sys.executable, "-m", "tierstate", *args, "--tier", f"nvme={tmp_path / 'nvme'}"]
     command += ["--tier", f"pfs={tmp_path / 'pfs'}"]
     return subprocess.run(command, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.persist import DIRECT_ALIGN, FrameWriter
-from pipeline.units import Chunk, ChunkEntry
-from tiers.format import checksum
-from tiers.hostcache import HostCache, Slab
+from tierstate.pipeline.persist import DIRECT_ALIGN, FrameWriter
+from tierstate.pipeline.units import Chunk, ChunkEntry
+from tierstate.tiers.format import checksum
+from tierstate.tiers.hostcache import HostCache, Slab
 
 SLAB = 1 << 20
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from providers import (
+from tierstate.providers import (
     TENSOR_MARKER,
     CompositeProvider,
     ModuleProvider,
@@ -27,7 +27,7 @@ from providers import (
     join_tensors,
     split_tensors,
 )
-from tiers.objcodec import decode_object, encode_object
+from tierstate.tiers.objcodec import decode_object, encode_object
 
 
 def read_back(items: Iterable[TensorItem | ObjectItem], serializer: str | None = None) -> dict[str, Any]:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import DEFAULT_YAML
-from pipeline.assign import balance
-from pipeline.runner import Runner
-from providers import ModuleProvider, ShardInfo, TensorDictProvider, TensorItem
-from tiers.boxes import Box, tiling_problem
-from tiers.format import (
+from tierstate.pipeline.assign import balance
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ModuleProvider, ShardInfo, TensorDictProvider, TensorItem
+from tierstate.tiers.boxes import Box, tiling_problem
+from tierstate.tiers.format import (
     FileRecord,
     Manifest,
     ManifestError,
@@ -21,9 +21,9 @@ from tiers.format import (
     TensorRecord,
     now_iso,
 )
-from tiers.multirank import RankPart, merge_parts, rank_view
-from tiers.reader import CorruptCheckpointError, load
-from tiers.reshard import Region, read_regions
+from tierstate.tiers.multirank import RankPart, merge_parts, rank_view
+from tierstate.tiers.reader import CorruptCheckpointError, load
+from tierstate.tiers.reshard import Region, read_regions
 
 MiB = 1 << 20
 

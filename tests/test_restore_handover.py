@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from providers import ModuleProvider, OptimizerProvider
-from providers.items import hand_over, handed_over
+from tierstate.providers import ModuleProvider, OptimizerProvider
+from tierstate.providers.items import hand_over, handed_over
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

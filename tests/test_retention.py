@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import REPO
-from providers import TensorDictProvider
-from tiers import cli
-from tiers.filesystem import FilesystemTier
-from tiers.locks import reading
-from tiers.migrate import migrate
-from tiers.policy import FlushPolicy, RetentionPolicy
-from tiers.retention import TierPolicies, collect_garbage, prune
+from tierstate.providers import TensorDictProvider
+from tierstate.tiers import cli
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.locks import reading
+from tierstate.tiers.migrate import migrate
+from tierstate.tiers.policy import FlushPolicy, RetentionPolicy
+from tierstate.tiers.retention import TierPolicies, collect_garbage, prune
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_the_last_copy_of_a_step_due_elsewhere_waits_for_its_flush(nvme, tmp_pat
 def test_deletion_killed_after_unpublishing_leaves_no_checkpoint_and_gc_cleans_up(nvme, tmp_path, capsys):
     """SIGKILL right after the rename: the step is gone from listings and restore; gc removes the rest."""
     tiers = ["--tier", f"nvme={nvme.root}"]
-    command = [sys.executable, "-m", "tiers", "prune", "--keep-last", "6", *tiers]
+    command = [sys.executable, "-m", "tierstate", "prune", "--keep-last", "6", *tiers]
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "TIERSTATE_FAULT": "prune.delete"}, capture_output=True)
     assert done.returncode == -9
     assert nvme.steps() == [2, 3, 4, 5, 6, 10] and (nvme.root / "step-1.deleting").is_dir()

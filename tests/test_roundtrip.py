@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from providers import (
+from tierstate.providers import (
     CompositeProvider,
     ModuleProvider,
     ObjectProvider,
@@ -16,9 +16,9 @@ from providers import (
     StatefulProvider,
     TensorDictProvider,
 )
-from tiers.dtypes import DTYPES
-from tiers.format import read_manifest
-from tiers.reader import load
+from tierstate.tiers.dtypes import DTYPES
+from tierstate.tiers.format import read_manifest
+from tierstate.tiers.reader import load
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from providers import TensorDictProvider
-from tiers import cli
-from tiers.filesystem import FilesystemTier
-from tiers.migrate import migrate
+from tierstate.providers import TensorDictProvider
+from tierstate.tiers import cli
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.migrate import migrate
 
 
 def test_verify_finds_a_flipped_byte_and_restore_falls_back_to_the_good_copy(make_runner, tmp_path, capsys):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tiers.filesystem import FilesystemTier
-from tiers.retention import DELETING_SUFFIX, age_of, leftovers
-from tiers.verify import read_stamp
+from .filesystem import FilesystemTier
+from .retention import DELETING_SUFFIX, age_of, leftovers
+from .verify import read_stamp
 
 
 def copy_state(tiers: Sequence[FilesystemTier], tier: FilesystemTier, step: int) -> dict[str, Any]:

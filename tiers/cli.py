@@ -17,10 +17,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tiers.catalog import copy_state, leftover_entries, state_text
-from tiers.commands import add_commands
-from tiers.filesystem import FilesystemTier
-from tiers.format import (
+from .catalog import copy_state, leftover_entries, state_text
+from .commands import add_commands
+from .filesystem import FilesystemTier
+from .format import (
     AliasRecord,
     Manifest,
     ManifestError,
@@ -29,7 +29,7 @@ from tiers.format import (
     ShardedRecord,
     read_manifest,
 )
-from tiers.tierspec import UsageError, load_tiers
+from .tierspec import UsageError, load_tiers
 
 
 def _tiers(args: argparse.Namespace) -> list[FilesystemTier]:

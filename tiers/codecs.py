@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
+from tierstate.errors import TierstateError
+
 _local = threading.local()
 SHUFFLE_WIDTHS = (1, 2, 4, 8, 16)
 
 
-class CodecError(ValueError):
+class CodecError(TierstateError, ValueError):
     """A frame that cannot be decoded with the codec its manifest names."""
 
 

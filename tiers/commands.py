@@ -16,18 +16,18 @@ from typing import Any
 
 from rich.console import Console
 
-from tiers.convert import FORMATS
-from tiers.export import EXPORT_FORMATS, export
-from tiers.format import ManifestError
-from tiers.locks import InUseError, reading
-from tiers.migrate import MigrateError, MigrateReport, migrate
-from tiers.pacing import Pacer
-from tiers.policy import RetentionPolicy
-from tiers.progress import byte_progress
-from tiers.reader import CorruptCheckpointError
-from tiers.retention import TierPolicies, collect_garbage, prune
-from tiers.tierspec import UsageError, load_tiers, parse_duration, parse_size, pick, select
-from tiers.verify import verify_step
+from .convert import FORMATS
+from .export import EXPORT_FORMATS, export
+from .format import ManifestError
+from .locks import InUseError, reading
+from .migrate import MigrateError, MigrateReport, migrate
+from .pacing import Pacer
+from .policy import RetentionPolicy
+from .progress import byte_progress
+from .reader import CorruptCheckpointError
+from .retention import TierPolicies, collect_garbage, prune
+from .tierspec import UsageError, load_tiers, parse_duration, parse_size, pick, select
+from .verify import verify_step
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
 FAILURES = (MigrateError, CorruptCheckpointError, ManifestError, OSError)

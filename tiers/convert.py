@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from tiers.format import (
+from .format import (
     AliasRecord,
     AnyRecord,
     FileRecord,
@@ -36,9 +36,9 @@ from tiers.format import (
     parse_manifest,
     write_durably,
 )
-from tiers.framefile import FrameSink
-from tiers.hdf5 import Hdf5Container, hdf5_file_name
-from tiers.reader import read_pieces
+from .framefile import FrameSink
+from .hdf5 import Hdf5Container, hdf5_file_name
+from .reader import read_pieces
 
 Format = Literal["frames", "hdf5"]
 FORMATS: tuple[str, ...] = ("frames", "hdf5")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from tierstate.errors import TierstateError
 
-class UnknownDtypeError(ValueError):
+
+class UnknownDtypeError(TierstateError, ValueError):
     """A dtype name in a checkpoint that this torch cannot represent as a dense tensor."""
 
 

@@ -26,12 +26,12 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from tiers.convert import batches, read_leaves, write_sliced
-from tiers.dtypes import dtype_from_name
-from tiers.format import AliasRecord, Manifest, ObjectRecord, ShardedRecord, TensorRecord
-from tiers.hdf5 import Hdf5Container
-from tiers.multirank import rank_view
-from tiers.reader import read_items
+from .convert import batches, read_leaves, write_sliced
+from .dtypes import dtype_from_name
+from .format import AliasRecord, Manifest, ObjectRecord, ShardedRecord, TensorRecord
+from .hdf5 import Hdf5Container
+from .multirank import rank_view
+from .reader import read_items
 
 ExportFormat = Literal["hdf5", "safetensors"]
 EXPORT_FORMATS: tuple[str, ...] = ("hdf5", "safetensors")

@@ -14,8 +14,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiers import faults
-from tiers.format import (
+from tierstate.errors import TierstateError
+
+from . import faults
+from .format import (
     MANIFEST_NAME,
     Manifest,
     ManifestBody,
@@ -29,7 +31,7 @@ STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 
 
-class TierError(OSError):
+class TierError(TierstateError, OSError):
     """A tier operation failed; the message names the tier and the path."""
 
 

@@ -21,8 +21,10 @@ import msgpack
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tiers.boxes import Box, tiling_problem
-from tiers.dtypes import UnknownDtypeError, dtype_from_name
+from tierstate.errors import TierstateError
+
+from .boxes import Box, tiling_problem
+from .dtypes import UnknownDtypeError, dtype_from_name
 
 FORMAT_NAME = "tierstate"
 FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"
@@ -37,7 +39,7 @@ ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB:
 NonNegative = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
-class ManifestError(ValueError):
+class ManifestError(TierstateError, ValueError):
     """A manifest or index that is missing, corrupt, inconsistent or from a newer format."""
 
 

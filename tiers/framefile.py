@@ -14,7 +14,7 @@ from pathlib import Path
 
 import xxhash
 
-from tiers.format import FileRecord, FrameRecord, checksum
+from .format import FileRecord, FrameRecord, checksum
 
 BLOCK = 8 << 20  # read granularity when hashing: large frames are hashed without allocating them whole
 

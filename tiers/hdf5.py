@@ -27,9 +27,11 @@ from typing import Any
 import h5py
 import numpy as np
 
-from tiers.dtypes import dtype_from_name
-from tiers.format import FileRecord, Piece, ShardRecord
-from tiers.framefile import FrameSink
+from tierstate.errors import TierstateError
+
+from .dtypes import dtype_from_name
+from .format import FileRecord, Piece, ShardRecord
+from .framefile import FrameSink
 
 FORMAT_ATTR = "tierstate-hdf5"
 
@@ -56,7 +58,7 @@ _NATIVE = {
 _UNSIGNED = {1: np.dtype("uint8"), 2: np.dtype("uint16"), 4: np.dtype("uint32"), 8: np.dtype("uint64")}
 
 
-class Hdf5LayoutError(ValueError):
+class Hdf5LayoutError(TierstateError, ValueError):
     """An item key or dtype that cannot become an HDF5 dataset; names the key."""
 
 

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tierstate.errors import TierstateError
 
-class InUseError(OSError):
+
+class InUseError(TierstateError, OSError):
     """The directory is locked by another reader or writer."""
 
 

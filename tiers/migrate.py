@@ -29,22 +29,24 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tiers import faults
-from tiers.convert import Format, container_format, rewrite
-from tiers.filesystem import FilesystemTier
-from tiers.format import FileRecord, FrameRecord, Manifest, checksum, write_durably
-from tiers.framefile import BLOCK, hash_range
-from tiers.locks import InUseError, exclusive, reading
-from tiers.pacing import Pacer
-from tiers.reader import CorruptCheckpointError
-from tiers.retention import delete_step
-from tiers.verify import verify_directory, write_stamp
+from tierstate.errors import TierstateError
+
+from . import faults
+from .convert import Format, container_format, rewrite
+from .filesystem import FilesystemTier
+from .format import FileRecord, FrameRecord, Manifest, checksum, write_durably
+from .framefile import BLOCK, hash_range
+from .locks import InUseError, exclusive, reading
+from .pacing import Pacer
+from .reader import CorruptCheckpointError
+from .retention import delete_step
+from .verify import verify_directory, write_stamp
 
 Progress = Callable[[int], None]
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
 
-class MigrateError(RuntimeError):
+class MigrateError(TierstateError, RuntimeError):
     """A migration that cannot be done as asked; names the step, the tiers and why."""
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from tiers.format import (
+from .format import (
     FORMAT_VERSION,
     AliasRecord,
     AnyRecord,

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgpack
 
+from tierstate.errors import TierstateError
+
 try:
     import numpy as np
 except ImportError:  # without numpy there are no numpy scalars to convert
@@ -28,7 +30,7 @@ _PICKLE_DISABLED = (
 )
 
 
-class ObjectCodecError(ValueError):
+class ObjectCodecError(TierstateError, ValueError):
     """An object cannot be encoded or decoded with the chosen serializer, or pickle is not allowed."""
 
 

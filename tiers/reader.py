@@ -17,9 +17,11 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from tiers.codecs import CodecError, decompress
-from tiers.dtypes import dtype_from_name
-from tiers.format import (
+from tierstate.errors import TierstateError
+
+from .codecs import CodecError, decompress
+from .dtypes import dtype_from_name
+from .format import (
     AliasRecord,
     FrameRecord,
     Manifest,
@@ -30,12 +32,12 @@ from tiers.format import (
     TensorRecord,
     read_manifest,
 )
-from tiers.objcodec import decode_object
+from .objcodec import decode_object
 
 IOV_MAX = 1024
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(TierstateError, ValueError):
     """Bytes on disk do not match their checksum or cannot be decoded; names file and frame."""
 
 
@@ -178,7 +180,7 @@ def read_items(
     check_file_sizes(directory, manifest)
     if any(isinstance(manifest.items[_target(manifest, k)], ShardedRecord | PerRankRecord) for k in wanted):
         # Reassembly builds on this module (read_pieces), hence the import here and not at the top.
-        from tiers.reshard import read_global
+        from .reshard import read_global
 
         return read_global(directory, manifest, wanted, rank=0, allow_pickle=allow_pickle, workers=workers)
     stored = _stored_keys(manifest, wanted)

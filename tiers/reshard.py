@@ -19,11 +19,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tiers.boxes import Box
-from tiers.dtypes import dtype_from_name
-from tiers.format import AliasRecord, Manifest, Piece, ShardedRecord, TensorRecord
-from tiers.multirank import rank_view
-from tiers.reader import read_items, read_pieces
+from .boxes import Box
+from .dtypes import dtype_from_name
+from .format import AliasRecord, Manifest, Piece, ShardedRecord, TensorRecord
+from .multirank import rank_view
+from .reader import read_items, read_pieces
 
 
 @dataclass(frozen=True)

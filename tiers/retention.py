@@ -29,10 +29,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tiers import faults
-from tiers.filesystem import PARTIAL_SUFFIX, FilesystemTier, fsync_dir
-from tiers.locks import InUseError, exclusive
-from tiers.policy import FlushPolicy, RetentionPolicy
+from . import faults
+from .filesystem import PARTIAL_SUFFIX, FilesystemTier, fsync_dir
+from .locks import InUseError, exclusive
+from .policy import FlushPolicy, RetentionPolicy
 
 DELETING_SUFFIX = ".deleting"
 

@@ -16,15 +16,17 @@ from typing import Any
 import yaml
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from tiers.filesystem import FilesystemTier
-from tiers.policy import FlushPolicy, RetentionPolicy
-from tiers.retention import TierPolicies
+from tierstate.errors import TierstateError
+
+from .filesystem import FilesystemTier
+from .policy import FlushPolicy, RetentionPolicy
+from .retention import TierPolicies
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-class UsageError(Exception):
+class UsageError(TierstateError):
     """Bad command-line input: printed without a traceback, exit code 2."""
 
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiers.filesystem import FilesystemTier
-from tiers.format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso, write_durably
-from tiers.framefile import hash_range
-from tiers.locks import reading
+from .filesystem import FilesystemTier
+from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso, write_durably
+from .framefile import hash_range
+from .locks import reading
 
 STAMP_NAME = "verified.json"
 

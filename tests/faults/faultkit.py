@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.runner import Runner
-from providers import ObjectProvider
-from providers.items import TensorItem
-from tiers import faults
-from tiers.filesystem import FilesystemTier
-from tiers.reader import read_items
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ObjectProvider
+from tierstate.providers.items import TensorItem
+from tierstate.tiers import faults
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.reader import read_items
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "configs" / "default.yaml"
@@ -218,9 +218,9 @@ def trainer_context() -> multiprocessing.context.BaseContext:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(["faultkit"])
         # The server ignores our sys.path when it preloads (CPython passes it but never applies it),
-        # so it is told where faultkit and tierstate are through its environment, only while starting.
+        # so it is told where faultkit is through its environment, only while starting.
         saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(Path(__file__).parent), *filter(None, [saved])])
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [saved])])
         try:
             multiprocessing.forkserver.ensure_running()
         finally:
@@ -353,6 +353,6 @@ def forget_close(root: str, hard_exit: bool) -> None:
 
 def run_forgetful(root: Path, hard_exit: bool) -> int:
     """:func:`forget_close` in a fresh interpreter (a fork would skip the interpreter's own shutdown)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     code = f"import faultkit; faultkit.forget_close({str(root)!r}, {hard_exit})"
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, timeout=120).returncode

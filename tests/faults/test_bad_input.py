@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from faultkit import DEFAULT_YAML, make_runner, scaled, tally, write_steps
-from pipeline.config import ConfigError, parse_config
-from pipeline.handle import CheckpointFailed
-from providers import ObjectProvider
-from tiers import cli
-from tiers.codecs import CodecError, decompress
-from tiers.format import (
+from tierstate.pipeline.config import ConfigError, parse_config
+from tierstate.pipeline.handle import CheckpointFailed
+from tierstate.providers import ObjectProvider
+from tierstate.tiers import cli
+from tierstate.tiers.codecs import CodecError, decompress
+from tierstate.tiers.format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     ManifestError,
@@ -40,8 +40,8 @@ from tiers.format import (
     parse_index,
     parse_manifest,
 )
-from tiers.objcodec import ObjectCodecError, decode_object
-from tiers.reader import CorruptCheckpointError, load, read_items
+from tierstate.tiers.objcodec import ObjectCodecError, decode_object
+from tierstate.tiers.reader import CorruptCheckpointError, load, read_items
 
 pytestmark = pytest.mark.faults
 

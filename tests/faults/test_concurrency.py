@@ -21,9 +21,9 @@ from faultkit import (
     trainer,
     write_steps,
 )
-from pipeline.runner import Runner
-from tiers import faults
-from tiers.migrate import migrate
+from tierstate.pipeline.runner import Runner
+from tierstate.tiers import faults
+from tierstate.tiers.migrate import migrate
 
 pytestmark = pytest.mark.faults
 

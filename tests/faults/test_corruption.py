@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from faultkit import scaled, state_matches, tally, tiers_of, trainer, write_steps
-from pipeline.restore import NoCheckpointError
-from tiers.format import MANIFEST_NAME, read_manifest
-from tiers.migrate import migrate
-from tiers.verify import verify_step
+from tierstate.pipeline.restore import NoCheckpointError
+from tierstate.tiers.format import MANIFEST_NAME, read_manifest
+from tierstate.tiers.migrate import migrate
+from tierstate.tiers.verify import verify_step
 
 pytestmark = pytest.mark.faults
 

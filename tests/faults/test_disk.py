@@ -35,11 +35,11 @@ from faultkit import (
     tiers_of,
     tmpfs,
 )
-from pipeline.handle import CheckpointHandle
-from pipeline.runner import Runner
-from tiers import faults
-from tiers.filesystem import TierError
-from tiers.retention import collect_garbage
+from tierstate.pipeline.handle import CheckpointHandle
+from tierstate.pipeline.runner import Runner
+from tierstate.tiers import faults
+from tierstate.tiers.filesystem import TierError
+from tierstate.tiers.retention import collect_garbage
 
 pytestmark = pytest.mark.faults
 

@@ -32,10 +32,10 @@ from faultkit import (
     tally,
     trainer,
 )
-from tiers import cli
-from tiers.migrate import migrate
-from tiers.reader import read_items
-from tiers.retention import collect_garbage, leftovers
+from tierstate.tiers import cli
+from tierstate.tiers.migrate import migrate
+from tierstate.tiers.reader import read_items
+from tierstate.tiers.retention import collect_garbage, leftovers
 
 pytestmark = pytest.mark.faults
 

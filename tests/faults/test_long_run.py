@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from faultkit import audit, make_runner, open_fds, rss_bytes, run_forgetful, scaled, tally, tiers_of
-from pipeline.runner import Runner
-from providers import ObjectProvider
-from providers.items import TensorItem
-from tiers.reader import read_items
-from tiers.retention import collect_garbage, leftovers
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ObjectProvider
+from tierstate.providers.items import TensorItem
+from tierstate.tiers.reader import read_items
+from tierstate.tiers.retention import collect_garbage, leftovers
 
 pytestmark = pytest.mark.faults
 

@@ -1,0 +1,77 @@
+"""The installed shape: one import package, a public facade, one error base."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tierstate
+from tierstate import TierstateError
+
+REPO = Path(__file__).resolve().parents[1]
+
+PUBLIC = {
+    "Runner", "load_config", "PipelineConfig", "CheckpointHandle", "CheckpointResult", "RestoreResult",
+    "ModuleProvider", "OptimizerProvider", "RNGProvider", "ObjectProvider", "StatefulProvider",
+    "CompositeProvider", "TensorDictProvider", "TensorItem", "ObjectItem", "ShardInfo", "load",
+    "read_manifest", "TierstateError", "__version__",
+}
+
+
+def test_facade_exports_the_public_api() -> None:
+    assert PUBLIC <= set(tierstate.__all__)
+    for name in tierstate.__all__:
+        assert getattr(tierstate, name) is not None, name
+    assert tierstate.__version__.count(".") >= 2
+
+
+def test_every_error_tierstate_defines_derives_from_the_base() -> None:
+    import tierstate.pipeline, tierstate.providers, tierstate.tiers  # noqa: E401, F401
+    errors = [
+        obj for module in list(sys.modules.values())
+        if module is not None and getattr(module, "__name__", "").startswith("tierstate.")
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, BaseException) and obj.__module__.startswith("tierstate.") and not obj.__name__.startswith("_")
+    ]
+    assert len(errors) >= 15
+    assert [e.__qualname__ for e in errors if not issubclass(e, TierstateError)] == []
+    for name in ("ConfigError", "CheckpointFailed", "NoCheckpointError", "TierError", "ManifestError", "RestoreError"):
+        assert name in tierstate.__all__, name
+
+
+def test_errors_keep_their_builtin_bases() -> None:
+    assert issubclass(tierstate.TierError, OSError)
+    assert issubclass(tierstate.ConfigError, ValueError)
+    assert issubclass(tierstate.NoCheckpointError, FileNotFoundError)
+
+
+@pytest.mark.slow
+def test_wheel_installs_exactly_one_top_level_package(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPO)],
+        check=True, capture_output=True, timeout=600,
+    )
+    top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    assert top == ["tierstate"]
+    assert (target / "tierstate" / "py.typed").is_file()
+    # Imported from an unrelated directory with only the target on the path: no checkout involved.
+    probe = "import tierstate, tierstate.tiers.cli; print(tierstate.__file__); print(len(tierstate.__all__))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        check=True, capture_output=True, text=True, timeout=120,
+    ).stdout.split()
+    assert Path(out[0]).is_relative_to(target)
+    assert int(out[1]) == len(tierstate.__all__)
+
+
+def test_python_dash_m_tierstate_runs_the_cli(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tierstate", "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "migrate" in proc.stdout
