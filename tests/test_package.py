@@ -30,12 +30,15 @@ def test_facade_exports_the_public_api() -> None:
 
 
 def test_every_error_tierstate_defines_derives_from_the_base() -> None:
-    import tierstate.pipeline, tierstate.providers, tierstate.tiers  # noqa: E401, F401
+    import tierstate.pipeline  # noqa: E401, F401
+    import tierstate.providers
+    import tierstate.tiers
     errors = [
         obj for module in list(sys.modules.values())
         if module is not None and getattr(module, "__name__", "").startswith("tierstate.")
         for _, obj in inspect.getmembers(module, inspect.isclass)
-        if issubclass(obj, BaseException) and obj.__module__.startswith("tierstate.") and not obj.__name__.startswith("_")
+        if issubclass(obj, BaseException) and obj.__module__.startswith("tierstate.")
+        and not obj.__name__.startswith("_")
     ]
     assert len(errors) >= 15
     assert [e.__qualname__ for e in errors if not issubclass(e, TierstateError)] == []

@@ -353,6 +353,7 @@ def forget_close(root: str, hard_exit: bool) -> None:
 
 def run_forgetful(root: Path, hard_exit: bool) -> int:
     """:func:`forget_close` in a fresh interpreter (a fork would skip the interpreter's own shutdown)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    path = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path}
     code = f"import faultkit; faultkit.forget_close({str(root)!r}, {hard_exit})"
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, timeout=120).returncode
