@@ -3,25 +3,24 @@
 The YAML file is the only place a user says how checkpoints move (chunking, host cache, tiers,
 the stage chain), so a mistake in it must fail before training starts, and say exactly where:
 every problem is reported as ``<source>: <dotted.key.path>: <message>``, all at once, so one
-edit-run cycle fixes them all.
+edit-run cycle fixes them all. The runner and the ``tierstate`` CLI both read configs here.
 
 Validation happens in two passes. Pydantic checks the schema (types, ranges, unknown keys) and
 collects every error. Only a schema-valid config reaches the semantic pass (stage graph, tier
-references, cache size), because those checks need well-typed values to reason about.
+references, cache size), because those checks need well-typed values to reason about. The stage
+graph checks live in pipeline/stage_graph.py; strict YAML reading and the wording of every error
+in pipeline/config_errors.py.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import os
-import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -31,14 +30,15 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StringConstraints,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from tierstate.errors import TierstateError
-
 from ..tiers.policy import FlushPolicy, RetentionPolicy
+from .config_errors import ConfigError, SemanticErrors, read_yaml, render, yaml_type
+from .stage_graph import chain_problems
 
 __all__ = [
     "STAGE_KINDS",
@@ -56,53 +56,13 @@ __all__ = [
     "TierConfig",
     "load_config",
     "parse_config",
+    "parse_tiers",
 ]
 
 MiB = 1 << 20
 
 StageKind = Literal["capture", "serialize", "compress", "persist"]
 STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
-
-# Which kind may follow which. Encoding the order as successor sets makes one edge check cover
-# "wrong order", "each kind at most once" and "serialize is required"; "persist is required"
-# follows from the rule that only persist may end the chain.
-_SUCCESSORS: dict[str, frozenset[str]] = {
-    "capture": frozenset({"serialize"}),
-    "serialize": frozenset({"compress", "persist"}),
-    "compress": frozenset({"persist"}),
-    "persist": frozenset(),
-}
-
-
-class ConfigError(TierstateError, ValueError):
-    """An invalid pipeline config; ``problems`` holds one ``key.path: message`` per problem.
-
-    A ValueError so callers that treat bad input generically still catch it; ``source`` names the
-    file (or ``<config>``) so the text is actionable when several configs are in play.
-    """
-
-    def __init__(self, source: str, problems: list[str]) -> None:
-        self.source = source
-        self.problems = problems
-        super().__init__("\n".join(f"{source}: {problem}" for problem in problems))
-
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, list[str]]]:
-        # The default reduce replays args=(message,), which does not match __init__; errors must
-        # survive pickling to cross process boundaries (multiprocessing, torchrun workers).
-        return (type(self), (self.source, self.problems))
-
-
-class _SemanticErrors(ValueError):
-    """Carries several ``(key.path, message)`` problems out of one pydantic model validator.
-
-    A validator can raise only one error at the model root; pydantic keeps the original exception
-    in the error's ``ctx``, so the formatter can unpack all problems with their own key paths.
-    """
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        self.problems = problems
-        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
-
 
 def _at_least(minimum: int) -> AfterValidator:
     """A size lower bound whose message is in human units (``1.0MiB``), not raw byte counts."""
@@ -141,7 +101,7 @@ class TierConfig(_Strict):
     """One durable filesystem tier (local NVMe, a parallel file system mount, any directory).
 
     ``retention`` says which checkpoints it keeps; ``flush`` makes it receive background copies of
-    the checkpoints the persist tier commits (see tiers/policy.py, shared with the CLI).
+    the checkpoints the persist tier commits (see tiers/policy.py).
     """
 
     path: Path
@@ -243,6 +203,8 @@ class PoliciesConfig(_Strict):
 
 
 TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]*$")]
+Tiers = Annotated[dict[TierName, TierConfig], Field(min_length=1)]
+_TIERS: TypeAdapter[dict[str, TierConfig]] = TypeAdapter(Tiers)
 
 
 class PipelineConfig(_Strict):
@@ -252,7 +214,7 @@ class PipelineConfig(_Strict):
     chunk_size: Annotated[ByteSize, _at_least(MiB)] = ByteSize(16 * MiB)
     align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
     host_cache: HostCacheConfig = HostCacheConfig()
-    tiers: Annotated[dict[TierName, TierConfig], Field(min_length=1)]
+    tiers: Tiers
     pipeline: PipelineSpec
     policies: PoliciesConfig = PoliciesConfig()
 
@@ -265,7 +227,7 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _semantics(self) -> PipelineConfig:
-        graph = list(_graph_problems(self.pipeline.stages))
+        graph = list(chain_problems(self.pipeline.stages))
         problems = list(graph)
         for name, stage in self.pipeline.stages.items():
             if isinstance(stage, PersistStage) and stage.tier not in self.tiers:
@@ -284,7 +246,7 @@ class PipelineConfig(_Strict):
                  "while another is being persisted"),
             ))
         if problems:
-            raise _SemanticErrors(problems)
+            raise SemanticErrors(problems)
         return self
 
     def chain(self) -> list[tuple[str, StageConfig]]:
@@ -333,92 +295,9 @@ def _tier_format_problems(config: PipelineConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def _graph_problems(stages: Mapping[str, StageBase]) -> Iterator[tuple[str, str]]:
-    """Why ``stages`` is not one chain capture -> serialize -> (compress ->) persist."""
-    captures = [name for name, stage in stages.items() if stage.kind == "capture"]
-    if len(captures) != 1:
-        found = f"{len(captures)} ({', '.join(captures)})" if captures else "none"
-        yield "pipeline.stages", f"expected exactly one capture stage, found {found}"
-
-    fed_by: dict[str, str] = {}
-    for name, stage in stages.items():
-        where = f"pipeline.stages.{name}.next"
-        target = stage.next
-        if target is None:
-            if stage.kind != "persist":
-                yield where, f"stage {name!r} feeds nothing: a {stage.kind} stage needs `next`"
-        elif stage.kind == "persist":
-            yield where, f"a persist stage ends the chain and cannot feed {target!r}; remove `next`"
-        elif target not in stages:
-            yield where, f"{target!r} is not a stage (stages: {', '.join(stages)})"
-        else:
-            if target in fed_by:
-                yield where, (f"{target!r} is already fed by {fed_by[target]!r}; "
-                              "stages must form a single chain")
-            fed_by.setdefault(target, name)
-            allowed = _SUCCESSORS[stage.kind]
-            if stages[target].kind not in allowed:
-                yield where, (f"{target!r} ({stages[target].kind}) cannot follow a {stage.kind} stage; "
-                              f"expected {' or '.join(sorted(allowed))} "
-                              "(order: capture -> serialize -> [compress ->] persist)")
-
-    yield from _cycle_problems(stages, captures)
-    if len(captures) == 1:
-        reached = set(_walk(stages, captures[0]))
-        for name in stages:
-            if name not in reached:
-                yield f"pipeline.stages.{name}", f"stage {name!r} is never fed: it is not on the chain from capture"
-
-
-def _walk(stages: Mapping[str, StageBase], start: str) -> Iterator[str]:
-    """Follow ``next`` from ``start``, stopping at a missing stage, the end, or a repeat."""
-    visited: set[str] = set()
-    name: str | None = start
-    while name in stages and name not in visited:
-        visited.add(name)
-        yield name
-        name = stages[name].next
-
-
-def _cycle_problems(stages: Mapping[str, StageBase], captures: list[str]) -> Iterator[tuple[str, str]]:
-    """Each cycle once, blamed on the ``next`` that closes it; walking from capture first roots
-    the reported cycle where the user reads the chain from."""
-    seen: set[str] = set()
-    for start in [*captures, *stages]:
-        if start in seen:
-            continue
-        path: list[str] = []
-        for name in _walk(stages, start):
-            if name in seen:
-                break
-            seen.add(name)
-            path.append(name)
-        else:
-            closing = stages[path[-1]].next
-            if closing in path:
-                loop = path[path.index(closing):] + [closing]
-                yield f"pipeline.stages.{path[-1]}.next", f"cycle {' -> '.join(loop)}"
-
-
 # ---------------------------------------------------------------------------------------------
-# Loading and error formatting
+# Loading
 # ---------------------------------------------------------------------------------------------
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which plain YAML resolves silently to the last one
-    (two `compress:` stages would otherwise quietly become one)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
@@ -444,32 +323,25 @@ def parse_config(
     they are checked like the file itself: ``{"tiers.nvme.path": tmp, "host_cache.size": "4MiB"}``.
     A value replaces what is there wholesale, so ``{"tiers": {...}}`` swaps all tiers at once.
     """
-    raw = _parse_yaml(data, source) if isinstance(data, str) else data
+    raw = read_yaml(data, source) if isinstance(data, str) else data
     if not isinstance(raw, Mapping):
-        name = _yaml_type(raw)
+        name = yaml_type(raw)
         given = "an empty document" if raw is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
         raise ConfigError(source, [f"<top level>: expected a mapping of settings (version, tiers, ...), got {given}"])
     raw = _apply_overrides(raw, overrides or {}, source)
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = [
-            f"{path}: {message}{_override_note(path, overrides)}"
-            for error in exc.errors(include_url=False)
-            for path, message in _describe(error)
-        ]
-        raise ConfigError(source, problems) from None
+        raise ConfigError(source, render(exc, PipelineConfig, overrides=overrides)) from None
 
 
-def _parse_yaml(text: str, source: str) -> Any:
+def parse_tiers(data: Mapping[str, Any], source: str) -> dict[str, TierConfig]:
+    """Validate a ``tiers`` section on its own, by the rules :class:`PipelineConfig` applies to it
+    (names, paths resolved the same way, policies): for tiers given without a config file."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
-        raise ConfigError(source, [f"{where}: invalid YAML: {exc.problem or exc.context}"]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, [f"<yaml>: invalid YAML: {exc}"]) from None
+        return _TIERS.validate_python(data)
+    except ValidationError as exc:
+        raise ConfigError(source, render(exc, PipelineConfig, at=("tiers",))) from None
 
 
 def _apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -484,131 +356,8 @@ def _apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any], sourc
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 prefix = ".".join(parents[:depth])
-                problem = f"cannot apply override {dotted!r}: {prefix} is a {_yaml_type(child)}, not a mapping"
+                problem = f"cannot apply override {dotted!r}: {prefix} is a {yaml_type(child)}, not a mapping"
                 raise ConfigError(source, [f"{prefix}: {problem}"])
             node = child
         node[leaf] = copy.deepcopy(value)
     return result
-
-
-def _override_note(path: str, overrides: Mapping[str, Any] | None) -> str:
-    """Points at the override when a bad value did not come from the file the user is reading."""
-    for key in overrides or {}:
-        if path == key or path.startswith(key + "."):
-            return f" (set by override {key!r})"
-    return ""
-
-
-_EXPECTED = {
-    "model_type": "a mapping",
-    "model_attributes_type": "a mapping",
-    "dict_type": "a mapping",
-    "byte_size": "a size such as 16MiB, 1GB or a number of bytes",
-    "byte_size_unit": "a size such as 16MiB, 1GB or a number of bytes",
-    "path_type": "a path string",
-}
-
-
-def _describe(error: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """Turn one pydantic error into ``(key.path, message)`` problems in the YAML's own vocabulary."""
-    kind, loc, given = error["type"], tuple(error["loc"]), error.get("input")
-    ctx = error.get("ctx") or {}
-    if isinstance(ctx.get("error"), _SemanticErrors):
-        return ctx["error"].problems
-    is_name = bool(loc) and loc[-1] == "[key]"
-    keys, owner = _locate(loc[:-1] if is_name else loc)
-    path = ".".join(keys) or "<top level>"
-    if kind == "extra_forbidden":
-        return [(path, _unknown_key(keys[-1], owner))]
-    if kind == "missing":
-        return [(path, "required key is missing")]
-    if kind == "too_short":
-        return [(path, "must not be empty")]
-    kinds = ", ".join(STAGE_KINDS)
-    if kind == "union_tag_not_found":
-        return [(f"{path}.kind", f"missing; the stage name is not a kind, so set kind to one of {kinds}")]
-    if kind == "union_tag_invalid":
-        tag = str(ctx["tag"])
-        return [(f"{path}.kind", f"must be one of {kinds}, got {tag!r}{_did_you_mean(tag, STAGE_KINDS)}")]
-    if kind == "value_error":
-        return [(path, error["msg"].removeprefix("Value error, "))]
-    expected = f"must be {_EXPECTED[kind]}" if kind in _EXPECTED else error["msg"].replace("Input should be", "must be")
-    if is_name:
-        expected = f"invalid name: {expected[0].lower()}{expected[1:]}"
-    return [(path, f"{expected}, got {_show(given)}")]
-
-
-def _locate(loc: tuple[int | str, ...]) -> tuple[list[str], type[BaseModel] | None]:
-    """Map a pydantic location to the YAML key path and the model owning its last key.
-
-    Walking the type annotations tells apart a dict key (kept) from a discriminated-union tag that
-    pydantic inserts (``stages.compress.compress.level``; dropped), and finds the model whose field
-    names are the candidates for an unknown-key suggestion.
-    """
-    keys: list[str] = []
-    owner: type[BaseModel] | None = None
-    annotation: Any = PipelineConfig
-    for part in loc:
-        annotation = _unwrap(annotation)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            owner = annotation
-            field = annotation.model_fields.get(str(part))
-            annotation = field.annotation if field else None
-            keys.append(str(part))
-        elif typing.get_origin(annotation) in (Union, types.UnionType):
-            # Members are already known models; the union itself adds no key to the YAML path.
-            annotation = next((m for m in typing.get_args(annotation) if _tag_of(m) == part), None)
-        else:
-            annotation = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
-            keys.append(str(part))
-    return keys, owner
-
-
-def _unwrap(annotation: Any) -> Any:
-    """Strip ``Annotated[...]`` and ``X | None`` down to the type that decides the next key."""
-    while True:
-        origin = typing.get_origin(annotation)
-        if origin is Annotated:
-            annotation = typing.get_args(annotation)[0]
-        elif origin in (Union, types.UnionType):
-            members = [m for m in typing.get_args(annotation) if m is not type(None)]
-            if len(members) != 1:
-                return annotation
-            annotation = members[0]
-        else:
-            return annotation
-
-
-def _tag_of(model: Any) -> Any:
-    """The ``kind`` literal a stage model is selected by in the discriminated union."""
-    field = model.model_fields.get("kind") if isinstance(model, type) and issubclass(model, BaseModel) else None
-    return field.default if field else None
-
-
-def _unknown_key(key: str, owner: type[BaseModel] | None) -> str:
-    valid = list(owner.model_fields) if owner else []
-    hint = _did_you_mean(key, valid)
-    return f"unknown key{hint}" if hint or not valid else f"unknown key (valid keys: {', '.join(valid)})"
-
-
-def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _yaml_type(value: Any) -> str:
-    """Type names as a YAML author knows them, not Python's."""
-    if value is None:
-        return "null"
-    for python_type, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
-                              (Mapping, "mapping"), (list, "list")):
-        if isinstance(value, python_type):
-            return name
-    return type(value).__name__
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    return f"{text if len(text) <= 60 else text[:57] + '...'} ({_yaml_type(value)})"

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from tierstate.pipeline import cli
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers import cli
 from tierstate.tiers.filesystem import CheckpointExistsError, TierError
 from tierstate.tiers.format import Manifest, parse_index
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from dist_worker import DTENSOR_SHAPE, SHARDED_SHAPE, DTensorHolder, global_values, make_model
 
 from conftest import REPO
+from tierstate.pipeline import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, TensorDictProvider
-from tierstate.tiers import cli
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.format import ShardedRecord, TensorRecord, parse_index
 from tierstate.tiers.migrate import migrate

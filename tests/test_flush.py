@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import REPO
+from tierstate.pipeline import cli
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider
-from tierstate.tiers import cli
 from tierstate.tiers.pacing import Pacer
 
 TIERED_YAML = REPO / "configs" / "tiered.yaml"

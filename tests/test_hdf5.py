@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tierstate.pipeline import cli
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers import cli
 from tierstate.tiers.dtypes import DTYPES
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.format import parse_index

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import REPO
+from tierstate.pipeline import cli
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers import cli
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.format import ManifestError
 from tierstate.tiers.migrate import MigrateError, migrate
@@ -57,7 +57,7 @@ def _same(loaded: dict, expected: dict) -> bool:
 
 
 def _tierstate(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The real CLI in its own process (``python -m tiers``), as a user or a script runs it."""
+    """The real CLI in its own process (``python -m tierstate``), as a user or a script runs it."""
     command = [sys.executable, "-m", "tierstate", *args, "--tier", f"nvme={tmp_path / 'nvme'}"]
     command += ["--tier", f"pfs={tmp_path / 'pfs'}"]
     return subprocess.run(command, cwd=REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True)

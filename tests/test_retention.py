@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import REPO
+from tierstate.pipeline import cli
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import cli
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.locks import reading
 from tierstate.tiers.migrate import migrate

@@ -6,8 +6,8 @@ import json
 
 import torch
 
+from tierstate.pipeline import cli
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import cli
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate
 

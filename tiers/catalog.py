@@ -1,4 +1,5 @@
-"""What ``tierstate ls`` says about each checkpoint beyond its manifest: verified, flushed, leftovers."""
+"""What ``tierstate ls`` and ``inspect`` say about checkpoints: a manifest's summary and item rows,
+and beyond the manifest, verified, flushed and leftovers."""
 
 from __future__ import annotations
 
@@ -6,8 +7,45 @@ from collections.abc import Sequence
 from typing import Any
 
 from .filesystem import FilesystemTier
+from .format import AliasRecord, Manifest, ObjectRecord, PerRankRecord, ShardedRecord
 from .retention import DELETING_SUFFIX, age_of, leftovers
 from .verify import read_stamp
+
+
+def summary(manifest: Manifest) -> dict[str, Any]:
+    """A checkpoint in one row: step, creation time, item, byte, file and rank counts."""
+    return {
+        "step": manifest.step,
+        "created": manifest.created,
+        "items": len(manifest.items),
+        "raw_bytes": manifest.raw_bytes,
+        "stored_bytes": manifest.stored_bytes,
+        "files": len(manifest.files),
+        "ranks": manifest.world_size,
+    }
+
+
+def item_rows(manifest: Manifest) -> list[dict[str, Any]]:
+    """One row per item: key, kind, dtype (or serializer, alias target, rank count), shape, bytes."""
+    rows = []
+    for key, record in manifest.items.items():
+        if isinstance(record, AliasRecord):
+            rows.append({"key": key, "kind": "alias", "type": f"= {record.of}", "shape": "", "bytes": 0})
+        elif isinstance(record, ObjectRecord):
+            rows.append({"key": key, "kind": "object", "type": record.serializer, "shape": "", "bytes": record.length})
+        elif isinstance(record, PerRankRecord):
+            held = f"{len(record.ranks)} ranks"
+            rows.append({"key": key, "kind": "per-rank", "type": held, "shape": "", "bytes": manifest.item_nbytes(key)})
+        elif isinstance(record, ShardedRecord):
+            shape = "x".join(map(str, record.global_shape)) or "scalar"
+            nbytes = manifest.item_nbytes(key)
+            rows.append({"key": key, "kind": "sharded", "type": record.dtype, "shape": shape, "bytes": nbytes})
+        else:
+            shape = "x".join(map(str, record.shape)) or "scalar"
+            rows.append(
+                {"key": key, "kind": "tensor", "type": record.dtype, "shape": shape, "bytes": manifest.item_nbytes(key)}
+            )
+    return rows
 
 
 def copy_state(tiers: Sequence[FilesystemTier], tier: FilesystemTier, step: int) -> dict[str, Any]:

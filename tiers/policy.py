@@ -1,8 +1,9 @@
 """Per-tier policies read from the pipeline YAML: which checkpoints a tier keeps, and which it receives.
 
-They live in ``tiers`` (not in the pipeline config) because two readers need the very same rules:
-the runner, which flushes and prunes during training, and the ``tierstate`` CLI, which prunes and
-collects garbage afterwards from nothing but the YAML and the files. Both validate with these models.
+They live in ``tiers`` (not in the pipeline config) because retention (tiers/retention.py) applies
+them and tiers never import pipeline; the pipeline config embeds them under ``tiers.NAME``. The
+runner, which flushes and prunes during training, and the ``tierstate`` CLI, which prunes
+afterwards, both read them through that one config loader, so they cannot disagree.
 
 Both rules are functions of the step number alone, never of how many checkpoints a run happened to
 take, so a restarted run, a second process and the CLI all agree on what a tier is due to hold.

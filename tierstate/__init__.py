@@ -29,6 +29,7 @@ from tierstate.providers import (
     TensorItem,
 )
 from tierstate.tiers.codecs import CodecError
+from tierstate.tiers.commands import UsageError
 from tierstate.tiers.dtypes import UnknownDtypeError
 from tierstate.tiers.filesystem import CheckpointExistsError, TierError
 from tierstate.tiers.format import ManifestError, read_manifest
@@ -37,7 +38,6 @@ from tierstate.tiers.locks import InUseError
 from tierstate.tiers.migrate import MigrateError
 from tierstate.tiers.objcodec import ObjectCodecError
 from tierstate.tiers.reader import CorruptCheckpointError, load
-from tierstate.tiers.tierspec import UsageError
 
 try:
     __version__ = version("tierstate")

@@ -2,6 +2,6 @@
 
 import sys
 
-from tierstate.tiers.cli import main
+from tierstate.pipeline.cli import main
 
 sys.exit(main())

@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from faultkit import DEFAULT_YAML, make_runner, scaled, tally, write_steps
+from tierstate.pipeline import cli
 from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.providers import ObjectProvider
-from tierstate.tiers import cli
 from tierstate.tiers.codecs import CodecError, decompress
 from tierstate.tiers.format import (
     FORMAT_VERSION,
