@@ -23,30 +23,21 @@ outside the timed runs (DCP's stager allocates its staging copy then; tierstate 
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
-    CUDA,
-    GiB,
-    bench_root,
-    blocked_report,
-    build_gpt,
-    cache_for,
-    fmt_bytes,
-    machine_facts,
-    make_checkpointer,
-    save_reports,
-    slowdown_note,
-    train_rounds,
-    warm_up,
-    warn_if_busy,
-)
+import torch
+from harness.blocked_table import blocked_report
+from harness.cli import parser
+from harness.competitors import CUDA
+from harness.gpt_state import build_gpt
+from harness.machine import start_run
+from harness.methods import closing_all, make_checkpointers, setups
+from harness.paths import bench_root
+from harness.report import publish
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import warm_up
+from harness.training import train_rounds
+from harness.units import GiB, fmt_bytes
 
 METHODS = [
     "none", "copy-floor", "tierstate", "torch.save", "dcp.save", "dcp.async_save", "dcp.async_save+async-staging"
@@ -54,36 +45,32 @@ METHODS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="full", help="GPT size: tiny, small, medium, full")
-    parser.add_argument("--steps", type=int, default=15, help="training steps per run")
-    parser.add_argument("--every", type=int, default=5, help="checkpoint after every N-th step")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--tag", default="", help="results go to blocked-<tag>.json instead of blocked.json")
-    args = parser.parse_args(argv)
-    warn_if_busy()
+    cli = parser("blocked", __doc__, preset="full", repeats=3, methods=METHODS, tag=True)
+    cli.add_argument("--steps", type=int, default=15, help="training steps per run")
+    cli.add_argument("--every", type=int, default=5, help="checkpoint after every N-th step")
+    cli.add_argument("--batch-size", type=int, default=4)
+    cli.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = cli.parse_args(argv)
+    facts = start_run()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
 
     state = build_gpt(args.preset, batch_size=args.batch_size)
     nbytes = state.tensor_bytes
     cache = cache_for(nbytes)
-    facts = machine_facts(Path("checkpoints"))
-    with bench_root("blocked") as root:
-        ckpts = {
-            name: make_checkpointer(name, state, root, cache_bytes=cache, optimizer=state.optimizer)
-            if name == "tierstate" else make_checkpointer(name, state, root)
-            for name in methods
-        }
+    with (
+        bench_root("blocked") as root,
+        closing_all(make_checkpointers(methods, state, root, cache_bytes=cache, optimizer=state.optimizer)) as ckpts,
+    ):
         warm_up(ckpts.values())
         runs = train_rounds(state, ckpts, args.steps, args.every, args.repeats)
-        setups = {name: ckpts[name].setup for name in methods}
-        for ckpt in ckpts.values():
-            ckpt.close()
+        setup = setups(ckpts)
 
+    notes = [f"tierstate: host cache {cache / GiB:.2f} GiB, sized to hold the whole state ({fmt_bytes(nbytes)}), so "
+             "capture never waits for persist; blocked = handle.blocked_s (the call + the optimizer pre-hook's wait)"]
+    if not CUDA:
+        notes.append("no CUDA: DCP's pinned memory / non-blocking copies do not exist here, so DCP stages into "
+                     "plain memory; tierstate's host cache is not pinned either")
     report = blocked_report(
         "blocked",
         f"Blocked time per checkpoint in a GPT training loop: {state.n_params / 1e6:.1f} M params, state "
@@ -91,21 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         runs,
         "dcp.async_save",
         args.every,
+        setup,
+        tuple(notes),
     )
-    report.raw.update({"state_bytes": nbytes, "n_params": state.n_params, "cache_bytes": cache, "setups": setups,
+    report.raw.update({"state_bytes": nbytes, "n_params": state.n_params, "cache_bytes": cache, "setups": setup,
                        "args": vars(args)})
-    report.note(f"tierstate: host cache {cache / GiB:.2f} GiB, sized to hold the whole state "
-                f"({fmt_bytes(nbytes)}), so capture never waits for persist; blocked = handle.blocked_s "
-                "(the call + the optimizer pre-hook's wait)")
-    for name in methods:
-        if setups[name]:
-            report.note(f"{name}: {setups[name]}")
-    if not CUDA:
-        report.note("no CUDA: DCP's pinned memory / non-blocking copies do not exist here, so DCP stages into "
-                    "plain memory; tierstate's host cache is not pinned either")
-    report.note(slowdown_note(args.every))
-    report.print()
-    save_reports("blocked", [report], facts, argv, tag=args.tag)
+    publish("blocked", [report], facts, argv, args.results_dir, args.tag)
     return 0
 
 

@@ -18,36 +18,23 @@ weights have moved off their init and the moments hold real gradient statistics.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from harness.cli import parser
+from harness.dict_state import DictState
+from harness.gpt_state import build_gpt
+from harness.machine import start_run
+from harness.methods import closing_all, make_checkpointer
+from harness.paths import bench_root
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import time_save, warm_up
+from harness.units import MiB, fmt_bytes, fmt_ratio, fmt_s, gbps, parse_size
 
-import torch  # noqa: E402
-from pydantic import ByteSize, TypeAdapter  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
-    DictState,
-    MiB,
-    Report,
-    bench_root,
-    build_gpt,
-    cache_for,
-    fmt_bytes,
-    fmt_ratio,
-    fmt_s,
-    gbps,
-    interleave,
-    machine_facts,
-    make_checkpointer,
-    median,
-    save_reports,
-    time_save,
-    warn_if_busy,
-)
-from tierstate.tiers import codecs  # noqa: E402
+from tierstate.tiers import codecs
 
 CHUNK = 16 * MiB
 
@@ -79,16 +66,13 @@ def codec_row(pieces: list[memoryview], width: int, level: int) -> dict[str, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="medium")
-    parser.add_argument("--train-steps", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bandwidth", default="100MB", help="throttled tier bandwidth")
-    parser.add_argument("--level", type=int, default=1, help="zstd level of the time-to-durable runs")
-    args = parser.parse_args(argv)
-    warn_if_busy()
-    facts = machine_facts(Path("checkpoints"))
+    cli = parser("compression", __doc__, preset="medium", repeats=3)
+    cli.add_argument("--train-steps", type=int, default=60)
+    cli.add_argument("--lr", type=float, default=3e-3)
+    cli.add_argument("--bandwidth", default="100MB", help="throttled tier bandwidth")
+    cli.add_argument("--level", type=int, default=1, help="zstd level of the time-to-durable runs")
+    args = cli.parse_args(argv)
+    facts = start_run()
     started = time.perf_counter()
     state = build_gpt(args.preset, warm_steps=args.train_steps, lr=args.lr)
     train_s = time.perf_counter() - started
@@ -118,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         codec_report.add(kind, fmt_bytes(r3["raw"]), f"{r1['ratio']:.3f}", f"{r3['ratio']:.3f}", f"{n3['ratio']:.3f}",
                          f"{r3['compress_mbps']:.0f}", f"{r3['decompress_mbps']:.0f}", f"{r1['compress_mbps']:.0f}")
         codec_raw[kind] = {"zstd1_shuffle": r1, "zstd3_shuffle": r3, "zstd3_plain": n3}
-        print(f"{kind}: ratio {r3['ratio']:.3f}", file=sys.stderr, flush=True)
+        progress(f"{kind}: ratio {r3['ratio']:.3f}")
     codec_report.note(f"trained {args.train_steps} steps at lr {args.lr} in {train_s:.0f} s (the moments are real); "
                       "ratio = raw / stored bytes; a chunk that does not shrink is stored raw (ratio 1 for it)")
     codec_report.raw = codec_raw
 
     bf16 = DictState({f"w{i:03d}": t for i, t in enumerate(kinds["weights bf16"])})
     states = {"training state (fp32 model + AdamW)": state, "weights bf16": bf16}
-    bandwidth = int(TypeAdapter(ByteSize).validate_python(args.bandwidth))  # "100MB" as the YAML would read it
+    bandwidth = parse_size(args.bandwidth)
     variants = [(f"{label}, {codec}, {tier}", label, codec, bw)
                 for label in states for tier, bw in ((f"{bandwidth / 1e6:.0f} MB/s tier", bandwidth),
                                                      ("local disk", None))
@@ -137,21 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     seconds: dict[str, list[float]] = {name: [] for name, *_ in variants}
     stored: dict[str, int] = {}
-    with bench_root("compression") as root:
-        ckpts = {name: make_checkpointer(f"tierstate-{i}", states[label], root,
-                                         cache_bytes=cache_for(states[label].tensor_bytes), codec=codec,
-                                         bandwidth=bw, level=args.level)
-                 for i, (name, label, codec, bw) in enumerate(variants)}
-        for ckpt in ckpts.values():
-            time_save(ckpt, 0)
-            ckpt.clear()
+    with (
+        bench_root("compression") as root,
+        closing_all({name: make_checkpointer(f"tierstate-{i}", states[label], root,
+                                             cache_bytes=cache_for(states[label].tensor_bytes), codec=codec,
+                                             bandwidth=bw, level=args.level)
+                     for i, (name, label, codec, bw) in enumerate(variants)}) as ckpts,
+    ):
+        warm_up(ckpts.values())
         for repeat, name in interleave(list(ckpts), args.repeats):
             ckpts[name].clear()
             seconds[name].append(time_save(ckpts[name], repeat + 1).durable_s)
             stored[name] = ckpts[name].result(repeat + 1).stored_bytes
-            print(f"round {repeat + 1} {name}: {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
-        for ckpt in ckpts.values():
-            ckpt.close()
+            progress(f"round {repeat + 1} {name}: {seconds[name][-1]:.2f} s")
     for name, label, codec, bw in variants:
         nbytes = states[label].tensor_bytes
         t = median(seconds[name])
@@ -162,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     e2e.note(f"tierstate, zstd level {args.level}, shuffle auto, 2 compress workers, host cache sized to hold the "
              "state; the throttle paces the bytes actually written (stored bytes)")
     e2e.raw = {"seconds": seconds, "stored": stored, "args": vars(args)}
-    codec_report.print()
-    e2e.print()
-    save_reports("compression", [codec_report, e2e], facts, argv)
+    publish("compression", [codec_report, e2e], facts, argv, args.results_dir)
     return 0
 
 

@@ -27,30 +27,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from harness.cli import parser
+from harness.machine import start_run
+from harness.paths import DEFAULT_YAML, REPO_ROOT, RESULTS_DIR, bench_root
+from harness.report import Report, command_line, markdown_document
+from harness.stats import median
+from harness.units import fmt_bytes, fmt_s, gbps, parse_size
 
-from benchmarks.common import (  # noqa: E402
-    BENCH_ROOT,
-    fmt_bytes,
-    fmt_s,
-    gbps,
-    machine_facts,
-    median,
-    warn_if_busy,
-)
-
-RESULTS = REPO / "benchmarks" / "results"
 TENSOR_BYTES = 32 << 20  # each global tensor; rows split across ranks when sharded
 LAYOUTS = [(1, "sharded"), (2, "sharded"), (2, "replicated")]  # 1 rank: both layouts are the same
-
-
-def _parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 def worker(root: Path, total: int, layout: str, repeats: int, out: Path) -> None:
@@ -58,8 +43,7 @@ def worker(root: Path, total: int, layout: str, repeats: int, out: Path) -> None
     import torch
     import torch.distributed as dist
 
-    from tierstate.pipeline.runner import Runner
-    from tierstate.providers.items import ShardInfo, TensorItem
+    from tierstate import Runner, ShardInfo, TensorItem
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,7 +62,7 @@ def worker(root: Path, total: int, layout: str, repeats: int, out: Path) -> None
             raise NotImplementedError("this benchmark only saves")
 
     settings = {"tiers": {"nvme": {"path": str(root / "nvme")}, "pfs": {"path": str(root / "pfs")}}}
-    runner = Runner.from_yaml(REPO / "configs" / "default.yaml", settings)
+    runner = Runner.from_yaml(DEFAULT_YAML, settings)
     runner.register(weights=Weights())
     timings, written = [], 0
     for step in range(repeats + 1):
@@ -108,57 +92,47 @@ def launch(nproc: int, layout: str, total: int, repeats: int, root: Path) -> dic
         __file__, "--worker", "--root", str(root / f"{nproc}-{layout}"), "--total", str(total),
         "--layout", layout, "--repeats", str(repeats), "--out", str(out),
     ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(command, check=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.read_text())
 
 
-def report(total: int, repeats: int, runs: dict[str, dict], facts: dict[str, str], argv: list[str]) -> str:
-    lines = [f"`python benchmarks/{' '.join(argv)}`", ""]
-    lines += [f"- {k}: {v}" for k, v in facts.items()]
-    lines += [
-        "",
-        f"**Time to durable, {fmt_bytes(total)} of float32 state in total, median of {repeats}**",
-        "",
-        "| configuration | time to durable | GB/s | written per rank | vs 1 rank |",
-        "|---|---:|---:|---:|---:|",
-    ]
+def report(total: int, repeats: int, runs: dict[str, dict]) -> Report:
+    table = Report(
+        "distributed",
+        f"Time to durable, {fmt_bytes(total)} of float32 state in total, median of {repeats}",
+        ["configuration", "time to durable", "GB/s", "written per rank", "vs 1 rank"],
+    )
     base = median(runs["1 rank"]["seconds"])
     for name, run in runs.items():
         seconds = median(run["seconds"])
         per_rank = " / ".join(fmt_bytes(b) for b in run["written_per_rank"])
-        lines.append(f"| {name} | {fmt_s(seconds)} | {gbps(total, seconds):.2f} | {per_rank} | {base / seconds:.2f}x |")
-    return "\n".join(lines) + "\n"
+        table.add(name, fmt_s(seconds), f"{gbps(total, seconds):.2f}", per_rank, f"{base / seconds:.2f}x")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--total", default="1GiB", help="total state, e.g. 1GiB or 256MiB")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--layout", choices=["sharded", "replicated"], help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    total = max(TENSOR_BYTES, _parse_size(args.total) // TENSOR_BYTES * TENSOR_BYTES)
+    cli = parser("distributed", __doc__, repeats=3)
+    cli.add_argument("--total", default="1GiB", help="total state, e.g. 1GiB or 256MiB")
+    cli.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    cli.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    cli.add_argument("--layout", choices=["sharded", "replicated"], help=argparse.SUPPRESS)
+    cli.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = cli.parse_args(argv)
+    total = max(TENSOR_BYTES, parse_size(args.total) // TENSOR_BYTES * TENSOR_BYTES)
     if args.worker:
         worker(args.root, total, args.layout, args.repeats, args.out)
         return 0
-    warn_if_busy()
-    root = BENCH_ROOT / "bench-distributed"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    facts = machine_facts(root)
-    try:
-        runs = {}
+    facts = start_run()
+    runs = {}
+    with bench_root("distributed") as root:
         for nproc, layout in LAYOUTS:
             name = "1 rank" if nproc == 1 else f"{nproc} ranks, {layout}"
             runs[name] = launch(nproc, layout, total, args.repeats, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    text = report(total, args.repeats, runs, facts, ["distributed.py", *(argv or sys.argv[1:])])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "distributed.md").write_text(text)
-    (RESULTS / "distributed.json").write_text(json.dumps({"facts": facts, "total": total, "runs": runs}, indent=1))
+    text = markdown_document(command_line("distributed", argv), facts, [report(total, args.repeats, runs)])
+    directory = args.results_dir or RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "distributed.md").write_text(text)
+    (directory / "distributed.json").write_text(json.dumps({"facts": facts, "total": total, "runs": runs}, indent=1))
     print(text)
     return 0
 

@@ -17,32 +17,20 @@ cache costs on this machine.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
-    Report,
-    bench_root,
-    build_gpt,
-    cache_for,
-    disk_write_seconds,
-    fmt_bytes,
-    fmt_ratio,
-    fmt_s,
-    gbps,
-    interleave,
-    machine_facts,
-    make_checkpointer,
-    median,
-    save_reports,
-    time_save,
-    warn_if_busy,
-)
+import torch
+from harness.cli import parser
+from harness.disk import disk_write_seconds
+from harness.gpt_state import build_gpt
+from harness.machine import start_run
+from harness.methods import closing_all, make_checkpointer, setups
+from harness.paths import bench_root
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import time_save, warm_up
+from harness.units import fmt_bytes, fmt_ratio, fmt_s, gbps
 
 DISK = ["disk O_DIRECT", "disk buffered+fsync"]
 METHODS = ["tierstate", "tierstate (io: buffered)", "torch.save", "dcp.save", "dcp.async_save"]
@@ -53,31 +41,21 @@ ORDER = ["disk O_DIRECT", "tierstate", "tierstate (io: buffered)", "disk buffere
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="full")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--tag", default="", help="results go to durable-<tag>.json instead of durable.json")
-    args = parser.parse_args(argv)
-    warn_if_busy()
+    args = parser("durable", __doc__, preset="full", repeats=5, methods=METHODS, tag=True).parse_args(argv)
+    facts = start_run()
     state = build_gpt(args.preset)
     nbytes = state.tensor_bytes
     cache = cache_for(nbytes)
-    facts = machine_facts(Path("checkpoints"))
     methods = args.methods.split(",")
     seconds: dict[str, list[float]] = {name: [] for name in DISK + methods}
     stored: dict[str, int] = {}
-    with bench_root("durable") as root:
-        ckpts = {}
-        for name in methods:
-            if name.startswith("tierstate"):
-                io = "buffered" if "buffered" in name else "auto"
-                ckpts[name] = make_checkpointer(name, state, root, cache_bytes=cache, io=io)
-            else:
-                ckpts[name] = make_checkpointer(name, state, root)
-        for ckpt in ckpts.values():  # warm-up, not timed
-            time_save(ckpt, 0)
-            ckpt.clear()
+    with (
+        bench_root("durable") as root,
+        closing_all({name: make_checkpointer(name, state, root, cache_bytes=cache,
+                                             io="buffered" if "buffered" in name else "auto")
+                     for name in methods}) as ckpts,
+    ):
+        warm_up(ckpts.values())
         probe = root / "disk-probe.bin"
         order = [name for name in ORDER if name in DISK or name in methods]
         order += [name for name in methods if name not in order]
@@ -91,10 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 step = repeat + 1
                 seconds[name].append(time_save(ckpt, step).durable_s)
                 stored[name] = ckpt.stored_bytes(step)
-            print(f"round {repeat + 1} {name:26s} {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
-        setups = {name: ckpt.setup for name, ckpt in ckpts.items()}
-        for ckpt in ckpts.values():
-            ckpt.close()
+            progress(f"round {repeat + 1} {name:26s} {seconds[name][-1]:.2f} s")
+        setup = setups(ckpts)
 
     disk_s = min(median(seconds["disk O_DIRECT"]), median(seconds["disk buffered+fsync"]))
     report = Report(
@@ -117,12 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     report.note(f"disk bandwidth = the better probe (median), {gbps(nbytes, disk_s):.2f} GB/s ({fmt_s(disk_s)} for "
                 f"{fmt_bytes(nbytes)}); '÷ disk, same round' = median over rounds of this / the O_DIRECT probe of "
                 "that round (run just before tierstate); target: tierstate within 1.25x")
-    for name in methods:
-        report.note(f"{name}: {setups[name]}")
+    report.note_each(setup)
     report.raw = {"state_bytes": nbytes, "seconds": seconds, "stored": stored, "args": vars(args),
                   "threads": torch.get_num_threads()}
-    report.print()
-    save_reports("durable", [report], facts, argv, tag=args.tag)
+    publish("durable", [report], facts, argv, args.results_dir, args.tag)
     return 0
 
 

@@ -28,34 +28,23 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from harness.blocked_table import blocked_report
+from harness.checkpointer import Checkpointer
+from harness.cli import parser
+from harness.dict_state import DictState
+from harness.gpt_state import GPTState, build_gpt
+from harness.machine import start_run
+from harness.methods import closing_all, make_checkpointer, make_checkpointers, setups
+from harness.paths import BENCH_ROOT, bench_root
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import time_save, warm_up
+from harness.training import train_rounds
+from harness.units import GB, MiB, fmt_bytes, fmt_ratio, fmt_s, gbps
 
-import torch  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
-    GB,
-    DictState,
-    MiB,
-    Report,
-    bench_root,
-    blocked_report,
-    build_gpt,
-    cache_for,
-    fmt_bytes,
-    fmt_ratio,
-    fmt_s,
-    gbps,
-    interleave,
-    machine_facts,
-    make_checkpointer,
-    median,
-    save_reports,
-    slowdown_note,
-    time_save,
-    train_rounds,
-    warm_up,
-)
-from examples.gpt import GPTConfig  # noqa: E402
+from examples.gpt import GPTConfig
 
 METHODS = ["none", "tierstate", "torch.save", "dcp.async_save+async-staging"]
 
@@ -92,9 +81,7 @@ def capture_bandwidth(args: argparse.Namespace, device: torch.device, root: Path
     captured: list[float] = []
     durable: list[float] = []
     plain_pinned_copy(list(tensors.values()), dst)  # warm-up of both
-    ckpt.save(0)
-    ckpt.drain()
-    ckpt.clear()
+    warm_up([ckpt])
     for repeat, name in interleave(["plain", "tierstate"], args.repeats):
         if name == "plain":
             plain.append(plain_pinned_copy(list(tensors.values()), dst))
@@ -106,8 +93,7 @@ def capture_bandwidth(args: argparse.Namespace, device: torch.device, root: Path
             ckpt.drain()
             durable.append(time.perf_counter() - record.requested)
             ckpt.clear()
-        print(f"round {repeat + 1} {name}: {(plain if name == 'plain' else captured)[-1]:.3f} s",
-              file=sys.stderr, flush=True)
+        progress(f"round {repeat + 1} {name}: {(plain if name == 'plain' else captured)[-1]:.3f} s")
     ckpt.close()
     report = Report(
         "gpu-capture",
@@ -127,40 +113,39 @@ def capture_bandwidth(args: argparse.Namespace, device: torch.device, root: Path
     return report
 
 
+def auto_interval(state: GPTState, tierstate: Checkpointer, device: torch.device) -> int:
+    """Steps between checkpoints for 1.5x tierstate's time to durable, so no checkpoint must queue."""
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(5):
+        state.train_step()
+    sync(device)
+    step_s = (time.perf_counter() - started) / 5
+    durable_s = time_save(tierstate, 0).durable_s
+    tierstate.clear()
+    tierstate.records.clear()
+    every = max(3, math.ceil(1.5 * durable_s / step_s))
+    progress(f"auto interval: step {step_s * 1e3:.1f} ms, tierstate durable {durable_s:.2f} s -> every {every} steps")
+    return every
+
+
 def training_loop(args: argparse.Namespace, device: torch.device, root: Path) -> Report:
     config = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 128),
                        seq_len=args.seq_len, dropout=0.0)
     state = build_gpt(config, batch_size=args.batch_size, device=device)
     nbytes = state.tensor_bytes
     cache = cache_for(nbytes, args.chunk_mb * MiB)
-    ckpts = {
-        name: make_checkpointer(name, state, root, cache_bytes=cache, chunk_bytes=args.chunk_mb * MiB,
-                                optimizer=state.optimizer)
-        if name == "tierstate" else make_checkpointer(name, state, root)
-        for name in METHODS
-    }
-    warm_up(ckpts.values())  # allocations, pinning, first-use costs: not timed
-    for _ in range(3):
-        state.train_step()
-    if not args.every:  # auto: an interval 1.5x as long as tierstate's time to durable, so none must queue
-        sync(device)
-        started = time.perf_counter()
-        for _ in range(5):
+    with closing_all(make_checkpointers(METHODS, state, root, cache_bytes=cache, chunk_bytes=args.chunk_mb * MiB,
+                                        optimizer=state.optimizer)) as ckpts:
+        warm_up(ckpts.values())  # allocations, pinning, first-use costs: not timed
+        for _ in range(3):
             state.train_step()
-        sync(device)
-        step_s = (time.perf_counter() - started) / 5
-        durable_s = time_save(ckpts["tierstate"], 0).durable_s
-        ckpts["tierstate"].clear()
-        ckpts["tierstate"].records.clear()
-        args.every = max(3, math.ceil(1.5 * durable_s / step_s))
-        print(f"auto interval: step {step_s * 1e3:.1f} ms, tierstate durable {durable_s:.2f} s -> every "
-              f"{args.every} steps", file=sys.stderr, flush=True)
-    if not args.steps:
-        args.steps = 3 * args.every  # two checkpoints per run, the last interval without one
-    runs = train_rounds(state, ckpts, args.steps, args.every, args.repeats, sync=lambda: sync(device))
-    setups = {name: ckpt.setup for name, ckpt in ckpts.items()}
-    for ckpt in ckpts.values():
-        ckpt.close()
+        if not args.every:  # auto: an interval 1.5x as long as tierstate's time to durable, so none must queue
+            args.every = auto_interval(state, ckpts["tierstate"], device)
+        if not args.steps:
+            args.steps = 3 * args.every  # two checkpoints per run, the last interval without one
+        runs = train_rounds(state, ckpts, args.steps, args.every, args.repeats, sync=lambda: sync(device))
+        setup = setups(ckpts)
     report = blocked_report(
         "gpu-blocked",
         f"GPU training loop on {device}: GPT {state.n_params / 1e6:.0f} M params, state {fmt_bytes(nbytes)}, "
@@ -168,31 +153,27 @@ def training_loop(args: argparse.Namespace, device: torch.device, root: Path) ->
         runs,
         "dcp.async_save+async-staging",
         args.every,
+        setup,
     )
-    for name, setup in setups.items():
-        if setup:
-            report.note(f"{name}: {setup}")
-    report.note(slowdown_note(args.every))
     report.raw.update({"state_bytes": nbytes, "cache_bytes": cache, "args": vars(args)})
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test of this script only)")
-    parser.add_argument("--capture-gb", type=float, default=8.0)
-    parser.add_argument("--chunk-mb", type=int, default=64, help="tierstate chunk_size in MiB")
-    parser.add_argument("--d-model", type=int, default=1536)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=0, help="steps per run; 0: 3 x --every")
-    parser.add_argument("--every", type=int, default=0,
+    cli = parser("gpu", __doc__, repeats=2)
+    cli.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test of this script only)")
+    cli.add_argument("--capture-gb", type=float, default=8.0)
+    cli.add_argument("--chunk-mb", type=int, default=64, help="tierstate chunk_size in MiB")
+    cli.add_argument("--d-model", type=int, default=1536)
+    cli.add_argument("--layers", type=int, default=12)
+    cli.add_argument("--seq-len", type=int, default=256)
+    cli.add_argument("--batch-size", type=int, default=16)
+    cli.add_argument("--steps", type=int, default=0, help="steps per run; 0: 3 x --every")
+    cli.add_argument("--every", type=int, default=0,
                         help="checkpoint interval in steps; 0: auto, 1.5x tierstate's time to durable")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--skip-capture", action="store_true")
-    parser.add_argument("--skip-training", action="store_true")
-    args = parser.parse_args(argv)
+    cli.add_argument("--skip-capture", action="store_true")
+    cli.add_argument("--skip-training", action="store_true")
+    args = cli.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}). Run it on a GPU machine, "
@@ -202,20 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    facts = machine_facts(Path("checkpoints"))
+    facts = start_run()
     if device.type == "cuda":
         facts["gpu"] = f"{torch.cuda.get_device_name(device)}, " \
                        f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
-    facts["disk_free"] = fmt_bytes(shutil.disk_usage("checkpoints" if Path("checkpoints").exists() else ".").free)
+    facts["disk_free"] = fmt_bytes(shutil.disk_usage(BENCH_ROOT).free)
     reports = []
     with bench_root("gpu") as root:
         if not args.skip_capture:
             reports.append(capture_bandwidth(args, device, root))
         if not args.skip_training:
             reports.append(training_loop(args, device, root))
-    for report in reports:
-        report.print()
-    save_reports("gpu", reports, facts, argv, tag="" if device.type == "cuda" else "cpu-smoke")
+    publish("gpu", reports, facts, argv, args.results_dir, tag="" if device.type == "cuda" else "cpu-smoke")
     return 0
 
 

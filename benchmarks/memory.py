@@ -20,25 +20,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (  # noqa: E402
-    MiB,
-    Report,
-    bench_root,
-    build_gpt,
-    cache_for,
-    fmt_bytes,
-    machine_facts,
-    make_checkpointer,
-    peak_rss_bytes,
-    reset_peak_rss,
-    rss_bytes,
-    save_reports,
-    time_save,
-    trim_heap,
-    warn_if_busy,
-)
+from harness.cli import parser
+from harness.gpt_state import build_gpt
+from harness.machine import start_run
+from harness.methods import make_checkpointer
+from harness.paths import bench_root
+from harness.report import Report, progress, publish
+from harness.rss import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import time_save
+from harness.units import MiB, fmt_bytes
 
 # (label, method, host cache: "state" = sized to hold the state, or bytes; codec)
 VARIANTS: list[tuple[str, str, str | int, str]] = [
@@ -60,10 +51,8 @@ def child(method: str, cache: str, codec: str, preset: str, checkpoints: int) ->
     nbytes = state.tensor_bytes
     cache_bytes = cache_for(nbytes) if cache == "state" else int(cache)
     with bench_root(f"memory-{method}") as root:
-        if method == "tierstate":
-            ckpt = make_checkpointer(method, state, root, cache_bytes=cache_bytes, codec=codec)
-        else:
-            ckpt = make_checkpointer(method, state, root)
+        ckpt = make_checkpointer(method, state, root, cache_bytes=cache_bytes, codec=codec)
+        if method != "tierstate":
             cache_bytes = 0
         if not reset_peak_rss():
             raise SystemExit("cannot reset VmHWM (/proc/self/clear_refs): peaks would include the setup")
@@ -78,16 +67,14 @@ def child(method: str, cache: str, codec: str, preset: str, checkpoints: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="full")
-    parser.add_argument("--checkpoints", type=int, default=2)
-    parser.add_argument("--child", nargs=3, metavar=("METHOD", "CACHE", "CODEC"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    cli = parser("memory", __doc__, preset="full")
+    cli.add_argument("--checkpoints", type=int, default=2)
+    cli.add_argument("--child", nargs=3, metavar=("METHOD", "CACHE", "CODEC"), help=argparse.SUPPRESS)
+    args = cli.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, args.preset, args.checkpoints)))
         return 0
-    warn_if_busy()
-    facts = machine_facts(Path("checkpoints"))
+    facts = start_run()
     results = {}
     for label, method, cache, codec in VARIANTS:
         command = [sys.executable, str(Path(__file__).resolve()), "--preset", args.preset,
@@ -97,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{label}: child failed:\n{proc.stderr}")
         results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
         r = results[label]
-        print(f"{label:34s} extra {fmt_bytes(r['extra'])}", file=sys.stderr, flush=True)
+        progress(f"{label:34s} extra {fmt_bytes(r['extra'])}")
     state = next(iter(results.values()))["state"]
     report = Report(
         "memory",
@@ -115,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     report.note("baseline = RSS after building the model + AdamW state (gradients freed); peak = VmHWM after "
                 "clear_refs, so it covers exactly the checkpointer's creation and its checkpoints")
     report.raw = {"results": results, "args": vars(args)}
-    report.print()
-    save_reports("memory", [report], facts, argv)
+    publish("memory", [report], facts, argv, args.results_dir)
     return 0
 
 

@@ -16,36 +16,23 @@ root) the page cache is dropped before each run.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.cli import parser
+from harness.dict_state import synthetic_state
+from harness.disk import drop_caches, settle
+from harness.machine import start_run
+from harness.paths import DEFAULT_YAML, bench_root, fresh_dir
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.units import fmt_bytes, fmt_s, gbps, parse_size
 
-from pydantic import ByteSize, TypeAdapter  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
-    DEFAULT_YAML,
-    Report,
-    bench_root,
-    drop_caches,
-    fmt_bytes,
-    fmt_s,
-    gbps,
-    interleave,
-    machine_facts,
-    median,
-    save_reports,
-    settle,
-    synthetic_state,
-    warn_if_busy,
-)
-from tierstate.pipeline.runner import Runner  # noqa: E402
-from tierstate.tiers.filesystem import FilesystemTier  # noqa: E402
-from tierstate.tiers.migrate import migrate  # noqa: E402
+from tierstate import Runner
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.migrate import migrate
 
 METHODS = ["cp -r", "cp -r + sync", "tierstate migrate", "tierstate migrate --format hdf5"]
 
@@ -58,8 +45,7 @@ def _cp(source: Path, target: Path, durable: bool) -> None:
 
 def _run(name: str, nvme: FilesystemTier, pfs: FilesystemTier, step: int) -> float:
     """Seconds for one copy of ``step`` from nvme to a fresh pfs by method ``name``."""
-    shutil.rmtree(pfs.root, ignore_errors=True)
-    pfs.root.mkdir(parents=True)
+    fresh_dir(pfs.root)
     settle()
     started = time.perf_counter()
     if name.startswith("cp"):
@@ -70,14 +56,12 @@ def _run(name: str, nvme: FilesystemTier, pfs: FilesystemTier, step: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="1.5GiB", help="checkpoint size (default 1.5GiB)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cold", action="store_true", help="drop the page cache before each run (root)")
-    args = parser.parse_args(argv)
-    warn_if_busy()
-    size = int(TypeAdapter(ByteSize).validate_python(args.size))
-    facts = machine_facts(Path("checkpoints"))
+    cli = parser("migrate_vs_cp", __doc__, repeats=3)
+    cli.add_argument("--size", default="1.5GiB", help="checkpoint size (default 1.5GiB)")
+    cli.add_argument("--cold", action="store_true", help="drop the page cache before each run (root)")
+    args = cli.parse_args(argv)
+    size = parse_size(args.size)
+    facts = start_run()
     seconds: dict[str, list[float]] = {name: [] for name in METHODS}
     with bench_root("migrate") as root:
         nvme, pfs = FilesystemTier("nvme", root / "nvme"), FilesystemTier("pfs", root / "pfs")
@@ -93,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             _run(name, nvme, pfs, 1)
         for repeat, name in interleave(METHODS, args.repeats):
             if args.cold and not drop_caches():
-                parser.error("--cold needs permission to write /proc/sys/vm/drop_caches")
+                cli.error("--cold needs permission to write /proc/sys/vm/drop_caches")
             seconds[name].append(_run(name, nvme, pfs, 1))
-            print(f"round {repeat + 1} {name:32s} {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
+            progress(f"round {repeat + 1} {name:32s} {seconds[name][-1]:.2f} s")
     cache = "dropped before each run" if args.cold else "source warm in the page cache"
     report = Report(
         "migrate_vs_cp",
@@ -108,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         verified = "every frame, on the target" if name.startswith("tierstate") else "no"
         report.add(name, fmt_s(median(seconds[name])), f"{gbps(stored, median(seconds[name])):.2f}", durable, verified)
     report.raw = {"stored_bytes": stored, "seconds": seconds, "args": vars(args)}
-    report.print()
-    save_reports("migrate_vs_cp", [report], facts, argv)
+    publish("migrate_vs_cp", [report], facts, argv, args.results_dir)
     return 0
 
 

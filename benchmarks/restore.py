@@ -19,41 +19,28 @@ file of the same size, in the same rounds.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (  # noqa: E402
-    Checkpointer,
-    GPTState,
-    Report,
-    TorchSaveCheckpointer,
-    bench_root,
-    build_gpt,
-    cache_for,
-    disk_read_seconds,
-    disk_write_seconds,
-    drop_caches,
-    fmt_bytes,
-    fmt_ratio,
-    fmt_s,
-    gbps,
-    interleave,
-    machine_facts,
-    make_checkpointer,
-    median,
-    save_reports,
-    time_save,
-    warn_if_busy,
-)
+from harness.checkpointer import Checkpointer
+from harness.cli import parser
+from harness.competitors import TorchSaveCheckpointer
+from harness.disk import disk_read_seconds, disk_write_seconds, drop_caches
+from harness.gpt_state import GPTState, build_gpt
+from harness.machine import start_run
+from harness.methods import closing_all, make_checkpointers
+from harness.paths import bench_root
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import time_save
+from harness.units import fmt_bytes, fmt_ratio, fmt_s, gbps
 
 DISK = ["disk cold read", "disk O_DIRECT read"]
 METHODS = ["tierstate", "torch.load", "torch.load(mmap)", "dcp.load"]
 SAVED_BY = {"tierstate": "tierstate", "torch.load": "torch.save", "torch.load(mmap)": "torch.save",
             "dcp.load": "dcp.save"}
+SAVERS = list(dict.fromkeys(SAVED_BY.values()))
 
 
 def timed_restore(state: GPTState, ckpt: Checkpointer, step: int, cold: bool, mmap_load: bool) -> float:
@@ -74,24 +61,18 @@ def timed_restore(state: GPTState, ckpt: Checkpointer, step: int, cold: bool, mm
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="full")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    warn_if_busy()
+    args = parser("restore", __doc__, preset="full", repeats=3).parse_args(argv)
+    facts = start_run()
     state = build_gpt(args.preset)
     nbytes = state.tensor_bytes
-    facts = machine_facts(Path("checkpoints"))
     can_drop = drop_caches()
     cold: dict[str, list[float]] = {name: [] for name in DISK + METHODS}
     warm: dict[str, list[float]] = {name: [] for name in METHODS}
     step = 1
-    with bench_root("restore") as root:
-        savers = {
-            "tierstate": make_checkpointer("tierstate", state, root, cache_bytes=cache_for(nbytes)),
-            "torch.save": make_checkpointer("torch.save", state, root),
-            "dcp.save": make_checkpointer("dcp.save", state, root),
-        }
+    with (
+        bench_root("restore") as root,
+        closing_all(make_checkpointers(SAVERS, state, root, cache_bytes=cache_for(nbytes))) as savers,
+    ):
         for saver in savers.values():
             time_save(saver, step)
         probe = root / "disk-probe.bin"
@@ -106,10 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 cold[name].append(timed_restore(state, ckpt, step, cold=can_drop, mmap_load=mmap_load))
                 warm[name].append(timed_restore(state, ckpt, step, cold=False, mmap_load=mmap_load))
                 line = f"cold {cold[name][-1]:.2f} s warm {warm[name][-1]:.2f} s"
-            print(f"round {repeat + 1} {name:20s} {line}", file=sys.stderr, flush=True)
+            progress(f"round {repeat + 1} {name:20s} {line}")
         stored = {name: savers[SAVED_BY[name]].stored_bytes(step) for name in METHODS}
-        for saver in savers.values():
-            saver.close()
 
     disk_s = min(median(cold["disk cold read"]), median(cold["disk O_DIRECT read"]))
     label = "cold" if can_drop else "warm (drop_caches refused)"
@@ -135,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     report.note("tierstate verifies an xxh3 checksum of every frame while reading; torch.load and DCP verify nothing")
     report.raw = {"state_bytes": nbytes, "cold": cold, "warm": warm, "stored": stored, "dropped": can_drop,
                   "args": vars(args)}
-    report.print()
-    save_reports("restore", [report], facts, argv)
+    publish("restore", [report], facts, argv, args.results_dir)
     return 0
 
 

@@ -14,37 +14,23 @@ tierstate (the competitors have no compression; their numbers are the uncompress
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (  # noqa: E402
-    GB,
-    GiB,
-    MiB,
-    Report,
-    SaveTiming,
-    bench_root,
-    cache_for,
-    disk_write_seconds,
-    fmt_bytes,
-    fmt_ratio,
-    fmt_s,
-    gbps,
-    interleave,
-    machine_facts,
-    make_checkpointer,
-    median,
-    save_reports,
-    synthetic_state,
-    time_save,
-    warn_if_busy,
-)
+from harness.cli import parser
+from harness.dict_state import synthetic_state
+from harness.disk import disk_write_seconds
+from harness.machine import start_run
+from harness.methods import closing_all, make_checkpointers
+from harness.paths import bench_root
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.tierstate_checkpointer import cache_for
+from harness.timing import SaveTiming, time_save, warm_up
+from harness.units import GB, GiB, MiB, fmt_bytes, fmt_ratio, fmt_s, gbps
 
 COMPETITORS = ["torch.save", "dcp.save", "dcp.async_save"]
 CACHE_CAP = 2 * GiB  # the largest host cache the sweep allocates, to stay well inside this machine's RAM
@@ -82,23 +68,12 @@ def run_case(case: Case, root: Path, repeats: int) -> tuple[dict[str, list[SaveT
     nbytes = state.tensor_bytes
     cache = case.cache or min(cache_for(nbytes), CACHE_CAP)
     names = ["tierstate"] + (COMPETITORS if case.competitors else [])
-    ckpts = {
-        name: make_checkpointer(name, state, root, cache_bytes=cache, codec=case.codec)
-        if name == "tierstate" else make_checkpointer(name, state, root)
-        for name in names
-    }
     timings: dict[str, list[SaveTiming]] = {name: [] for name in names}
-    try:
-        for ckpt in ckpts.values():  # warm-up, not timed
-            time_save(ckpt, 0)
-            ckpt.clear()
+    with closing_all(make_checkpointers(names, state, root, cache_bytes=cache, codec=case.codec)) as ckpts:
+        warm_up(ckpts.values())
         for repeat, name in interleave(names, repeats):
             ckpts[name].clear()
             timings[name].append(time_save(ckpts[name], repeat + 1))
-    finally:
-        for ckpt in ckpts.values():
-            ckpt.close()
-            ckpt.clear()
     del state, ckpts
     gc.collect()
     return timings, nbytes, cache
@@ -142,12 +117,10 @@ def reports_from(raw: dict[str, Any], disk_bw: float, repeats: int) -> list[Repo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-gb", type=float, default=4.0, help="largest state of the size sweep")
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args(argv)
-    warn_if_busy()
-    facts = machine_facts(Path("checkpoints"))
+    cli = parser("scaling", __doc__, repeats=2)
+    cli.add_argument("--max-gb", type=float, default=4.0, help="largest state of the size sweep")
+    args = cli.parse_args(argv)
+    facts = start_run()
     raw: dict[str, Any] = {}
     with bench_root("scaling") as root:
         probe = root / "disk-probe.bin"
@@ -159,14 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             raw[case.label] = {"bytes": nbytes, "cache": cache, "codec": case.codec,
                                "tensors": max(1, case.total // case.tensor),
                                "timings": {n: [vars(t) for t in ts] for n, ts in timings.items()}}
-            print(f"{case.label}: " + ", ".join(
+            progress(f"{case.label}: " + ", ".join(
                 f"{n} {median(t.staged_s for t in ts):.3f}/{median(t.durable_s for t in ts):.3f} s"
-                for n, ts in timings.items()), file=sys.stderr, flush=True)
+                for n, ts in timings.items()))
     reports = reports_from(raw, disk_bw, args.repeats)
     reports[-1].raw["args"] = vars(args)
-    for report in reports:
-        report.print()
-    save_reports("scaling", reports, facts, argv)
+    publish("scaling", reports, facts, argv, args.results_dir)
     return 0
 
 

@@ -1,0 +1,42 @@
+"""The least any snapshotting asynchronous checkpointer must do on the CPU, as a method to compare with."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checkpointer import BackgroundCheckpointer, Record
+from .tensors import iter_tensors
+
+
+class CopyFloorCheckpointer(BackgroundCheckpointer):
+    """Not a checkpointer but the least any snapshotting asynchronous one must do on the CPU: copy
+    the state once into preallocated host memory, on one background thread (numpy's single-threaded
+    memcpy, as tierstate's capture), with no checksum and no I/O. Its slowdown is the floor against
+    which tierstate's own overhead is read; its "durable after" is when the copy ended."""
+
+    name = "copy-floor"
+
+    def __init__(self, state: Any, root: Path) -> None:
+        super().__init__(state, root)
+        self._sources = [t.detach() for t in iter_tensors(state.state_dict())]
+        self._buffers = [torch.zeros_like(t) for t in self._sources]  # zeros: pages faulted in now
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="copy-floor")
+        self.setup = "one background thread, np.copyto of every tensor into a reused buffer; nothing written"
+
+    def _copy(self, record: Record) -> None:
+        for src, dst in zip(self._sources, self._buffers, strict=True):
+            np.copyto(dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+        record.durable_at = time.perf_counter()
+
+    def _save(self, record: Record) -> None:
+        self.staged = self.durable = self._pool.submit(self._copy, record)  # copied: both at once
+
+    def close(self) -> None:
+        self.drain()
+        self._pool.shutdown()

@@ -1,0 +1,60 @@
+"""Every benchmarked method by name, built alike, and a set of them closed together."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from .checkpointer import Checkpointer, NoCheckpoint
+from .competitors import DCPAsyncCheckpointer, DCPSaveCheckpointer, TorchSaveCheckpointer
+from .copy_floor import CopyFloorCheckpointer
+from .tierstate_checkpointer import TierstateCheckpointer
+
+OTHERS: dict[str, Callable[[Any, Path], Checkpointer]] = {
+    "none": NoCheckpoint,
+    "copy-floor": CopyFloorCheckpointer,
+    "torch.save": TorchSaveCheckpointer,
+    "dcp.save": DCPSaveCheckpointer,
+    "dcp.async_save": partial(DCPAsyncCheckpointer, staging="sync"),
+    "dcp.async_save+async-staging": partial(DCPAsyncCheckpointer, staging="async"),
+}
+
+
+def make_checkpointer(name: str, state: Any, root: Path, **tierstate: Any) -> Checkpointer:
+    """The method ``name`` saving ``state`` under ``root/<name>``. Any name starting with
+    ``tierstate`` is tierstate, configured by the ``tierstate`` keyword arguments (see
+    :class:`TierstateCheckpointer`); the other methods take no settings and ignore them, so one call
+    builds any method of a list."""
+    directory = root / "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+    directory.mkdir(parents=True, exist_ok=True)
+    if name.startswith("tierstate"):
+        ckpt = TierstateCheckpointer(state, directory, **tierstate)
+        ckpt.name = name
+        return ckpt
+    if name not in OTHERS:
+        raise ValueError(f"unknown method {name!r}: tierstate* or one of {', '.join(OTHERS)}")
+    return OTHERS[name](state, directory)
+
+
+def make_checkpointers(names: Iterable[str], state: Any, root: Path, **tierstate: Any) -> dict[str, Checkpointer]:
+    """:func:`make_checkpointer` of every name, in order."""
+    return {name: make_checkpointer(name, state, root, **tierstate) for name in names}
+
+
+@contextlib.contextmanager
+def closing_all(ckpts: dict[str, Checkpointer]) -> Iterator[dict[str, Checkpointer]]:
+    """``ckpts``, each closed (its background work drained) and its checkpoints deleted on exit."""
+    try:
+        yield ckpts
+    finally:
+        for ckpt in ckpts.values():
+            ckpt.close()
+            ckpt.clear()
+
+
+def setups(ckpts: dict[str, Checkpointer]) -> dict[str, str]:
+    """How each method was configured, for the report's notes."""
+    return {name: ckpt.setup for name, ckpt in ckpts.items()}
