@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .base import require_keys
+from .base import RestoreError, require_keys
 from .items import Item, ObjectItem, TensorItem
 
 try:
@@ -64,10 +64,28 @@ class RNGProvider:
         require_keys("rng", state, {PYTHON_KEY, TORCH_KEY, *cuda_keys} | ({NUMPY_KEY} if np is not None else set()))
         py = state[PYTHON_KEY]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-        torch.set_rng_state(state[TORCH_KEY])
+        torch.set_rng_state(_generator_state(state[TORCH_KEY], TORCH_KEY))
         if np is not None:
             npy = state[NUMPY_KEY]
             key = np.asarray(npy["key"], dtype=np.uint32)
             np.random.set_state((npy["name"], key, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
         for i, key in enumerate(cuda_keys):
-            torch.cuda.set_rng_state(state[key], i)
+            torch.cuda.set_rng_state(_generator_state(state[key], key), i)
+
+
+def _generator_state(value: Any, key: str) -> torch.Tensor:
+    """A generator state torch can take as it is: its own contiguous uint8 CPU tensor at offset 0.
+
+    A restore may hand over a view into a larger read buffer (a resharded read packs several
+    items into one); ``torch.set_rng_state`` reads the storage from its start, ignoring the
+    view's offset, and crashed the process on such a view.
+    """
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        raise RestoreError(f"rng: item {key!r} must be a 1-d uint8 tensor, got {_describe(value)}")
+    return value.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-d {value.dtype} tensor"
+    return type(value).__name__

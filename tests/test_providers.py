@@ -364,6 +364,25 @@ def test_rng_describe_copies_state() -> None:
     assert torch.equal(item.tensor, before)
 
 
+def test_rng_restore_takes_a_view_with_a_storage_offset() -> None:
+    # A resharded restore hands the state over as a view into a larger buffer; torch's own
+    # set_rng_state would read from the storage's start (a wrong state, or a crash).
+    provider = RNGProvider(cuda=False)
+    state = read_back(provider.describe(), None)
+    saved = state["torch"]
+    buffer = torch.zeros(saved.numel() + 1, dtype=torch.uint8)
+    buffer[1:] = saved
+    expected = draws()
+    provider.restore({**state, "torch": buffer[1:]})
+    assert draws() == expected
+
+
+def test_rng_refuses_a_state_of_the_wrong_kind() -> None:
+    state = read_back(RNGProvider(cuda=False).describe(), None)
+    with pytest.raises(RestoreError, match="'torch' must be a 1-d uint8 tensor, got a 1-d torch.float32 tensor"):
+        RNGProvider(cuda=False).restore({**state, "torch": torch.zeros(4)})
+
+
 def test_rng_missing_items() -> None:
     with pytest.raises(RestoreError, match="numpy, python"):
         RNGProvider(cuda=False).restore({"torch": torch.get_rng_state()})
