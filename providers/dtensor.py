@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .items import ShardInfo, TensorItem
+from .items import Changes, ShardInfo, TensorItem
 
 try:
     from torch.distributed.tensor import DTensor
@@ -27,10 +27,10 @@ def is_dtensor(value: Any) -> bool:
     return DTensor is not None and isinstance(value, DTensor)
 
 
-def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False) -> TensorItem:
+def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False, changes: Changes = "any") -> TensorItem:
     """The item of ``tensor``; ``replicated`` applies to plain tensors, a DTensor's layout decides its own."""
     if not is_dtensor(tensor):
-        return TensorItem(key, tensor, replicated=replicated)
+        return TensorItem(key, tensor, replicated=replicated, changes=changes)
     placements = tensor.placements
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(
@@ -44,7 +44,7 @@ def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False) -> Ten
     sharded = any(isinstance(p, Shard) for p in placements)
     copies = any(isinstance(p, Replicate) and mesh.size(dim) > 1 for dim, p in enumerate(placements))
     shard = ShardInfo(tuple(tensor.shape), tuple(offsets)) if sharded else None
-    return TensorItem(key, tensor.to_local(), shard=shard, replicated=copies)
+    return TensorItem(key, tensor.to_local(), shard=shard, replicated=copies, changes=changes)
 
 
 def like_live(live: Any, value: Any) -> Any:

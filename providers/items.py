@@ -22,6 +22,17 @@ import torch
 Serializer = Literal["json", "msgpack", "pickle"]
 SERIALIZERS: tuple[str, ...] = ("json", "msgpack", "pickle")
 
+# When a tensor's values may change, which decides whether the pipeline may copy it lazily (while the
+# next forward/backward runs) or must copy it before ``checkpoint()`` returns:
+#   "any"     anything may change it at any time (buffers updated in forward, user tensors): copied
+#             before checkpoint() returns. The default, because a wrong value is worse than a slow copy.
+#   "step"    only ``optimizer.step()`` changes it (trainable parameters, optimizer state): lazy when
+#             an attached optimizer covers it, whose step pre-hook waits for the copy; else as "any".
+#   "never"   nothing changes it while training (frozen parameters, a provider's own fresh copy).
+#   "guarded" the user changes it only after ``runner.wait_captured()`` (e.g. an EMA of the model).
+Changes = Literal["any", "step", "never", "guarded"]
+CHANGES: tuple[str, ...] = ("any", "step", "never", "guarded")
+
 
 @dataclass(frozen=True)
 class ShardInfo:
@@ -37,14 +48,17 @@ class ShardInfo:
 
 @dataclass
 class TensorItem:
-    """One tensor, referenced, not copied."""
+    """One tensor, referenced, not copied; ``changes`` says when its values may change (see ``Changes``)."""
 
     key: str
     tensor: torch.Tensor
     shard: ShardInfo | None = None
     replicated: bool = False
+    changes: Changes = "any"
 
     def __post_init__(self) -> None:
+        if self.changes not in CHANGES:
+            raise ValueError(f"item {self.key!r}: unknown changes={self.changes!r}, expected one of {CHANGES}")
         if not isinstance(self.tensor, torch.Tensor):
             raise TypeError(f"item {self.key!r}: expected a torch.Tensor, got {type(self.tensor).__name__}")
         if self.tensor.layout != torch.strided:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .base import RestoreError, require_keys
 from .dtensor import like_live, tensor_item
-from .items import Item, ObjectItem, Serializer
+from .items import Changes, Item, ObjectItem, Serializer
 
 
 class ModuleProvider:
@@ -37,8 +37,11 @@ class ModuleProvider:
         return f"module {type(self.module).__name__}"
 
     def describe(self) -> list[Item]:
+        # Trainable parameters change only in optimizer.step() ("step": lazy when an attached optimizer
+        # covers them); frozen ones not at all ("never"); buffers may change in any forward ("any").
+        params = dict(self.module.named_parameters(remove_duplicate=False))
         return [
-            tensor_item(name, value, self.replicated)
+            tensor_item(name, value, self.replicated, _changes(params.get(name)))
             if isinstance(value, torch.Tensor)
             else ObjectItem(name, copy.deepcopy(value), self.serializer, self.replicated)
             for name, value in self.module.state_dict().items()
@@ -57,3 +60,9 @@ class ModuleProvider:
             self.module.load_state_dict({k: like_live(live[k], v) for k, v in state.items()}, strict=True)
         except RuntimeError as exc:  # size mismatches, listed by name in torch's message
             raise RestoreError(f"{self._owner}: {exc}") from exc
+
+
+def _changes(param: nn.Parameter | None) -> Changes:
+    if param is None:
+        return "any"
+    return "step" if param.requires_grad else "never"

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .items import Serializer, handed_over
+from .items import Item, Serializer, TensorItem, handed_over
 from .stateful import StatefulProvider
 
 
@@ -28,6 +28,14 @@ class OptimizerProvider(StatefulProvider):
         super().__init__(optimizer, serializer, replicated)
         self.optimizer = optimizer
         self._live: dict[tuple[int, str], torch.Tensor] = {}
+
+    def describe(self) -> list[Item]:
+        """Its tensors change only in ``optimizer.step()``: lazy once this optimizer is attached."""
+        items = super().describe()
+        for item in items:
+            if isinstance(item, TensorItem):
+                item.changes = "step"
+        return items
 
     def restore(self, state: Mapping[str, Any]) -> None:
         # The optimizer's tensors before loading: where one matches a loaded value, the value is copied

@@ -46,7 +46,7 @@ class RNGProvider:
         version, internal, gauss_next = random.getstate()
         items: list[Item] = [
             ObjectItem(PYTHON_KEY, {"version": version, "state": list(internal), "gauss_next": gauss_next}),
-            TensorItem(TORCH_KEY, torch.get_rng_state()),
+            TensorItem(TORCH_KEY, torch.get_rng_state(), changes="never"),  # our own copy
         ]
         if np is not None:
             name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -56,7 +56,8 @@ class RNGProvider:
                     {"name": name, "key": key.tolist(), "pos": pos, "has_gauss": has_gauss, "cached_gaussian": cached},
                 )
             )
-        items += [TensorItem(key, torch.cuda.get_rng_state(i)) for i, key in enumerate(self._cuda_keys())]
+        cuda = enumerate(self._cuda_keys())
+        items += [TensorItem(key, torch.cuda.get_rng_state(i), changes="never") for i, key in cuda]
         return items
 
     def restore(self, state: Mapping[str, Any]) -> None:

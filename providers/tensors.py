@@ -12,17 +12,23 @@ from typing import Any
 import torch
 
 from .base import require_keys
-from .items import TensorItem
+from .items import Changes, TensorItem
 
 
 class TensorDictProvider:
-    """``{name: tensor}``, each tensor described by reference under its name and restored in place."""
+    """``{name: tensor}``, each tensor described by reference under its name and restored in place.
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    ``changes`` declares when the tensors change (``providers.items.Changes``): by default "any", so
+    they are copied before ``checkpoint()`` returns; an EMA the trainer updates only after
+    ``runner.wait_captured()`` may say "guarded" and is then copied lazily.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], changes: Changes = "any") -> None:
         self.tensors = tensors
+        self.changes: Changes = changes
 
     def describe(self) -> list[TensorItem]:
-        return [TensorItem(key, t) for key, t in self.tensors.items()]
+        return [TensorItem(key, t, changes=self.changes) for key, t in self.tensors.items()]
 
     def restore(self, state: Mapping[str, Any]) -> None:
         require_keys("TensorDictProvider", state, set(self.tensors))
