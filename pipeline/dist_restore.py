@@ -22,7 +22,6 @@ read its part of it cleanly, so all ranks restore the same step from the same ti
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,9 @@ from ..providers.items import TensorItem
 from ..tiers.boxes import Box
 from ..tiers.dtypes import dtype_from_name
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import AliasRecord, Manifest, ObjectRecord, PerRankRecord
+from ..tiers.format import Manifest, ObjectRecord, PerRankRecord, stored_key
 from ..tiers.multirank import rank_view
+from ..tiers.names import data_file_rank
 from ..tiers.reader import CorruptCheckpointError, read_items
 from ..tiers.reshard import Region, global_shape, read_regions, source_files
 from .assign import balance
@@ -44,7 +44,6 @@ from .restore import NoCheckpointError, RestoreResult, resolve_step, restore_int
 
 RegionId = tuple[str, tuple[int, ...], tuple[int, ...]]  # stored key, box offsets, box shape
 Offer = tuple[int, int | None]  # a shareable region's bytes, and the rank whose file alone holds it
-_DATA_FILE_RANK = re.compile(r"^rank-(\d+)\.")
 SLOT_ALIGN = 64
 
 
@@ -112,14 +111,14 @@ class _CollectiveRead:
                 problem = exc
         self._agree(where, problem)
         self._exchange(where, regions, values, owner, sizes)
-        return {key: values[_stored(view, key)] for key in keys}
+        return {key: values[stored_key(key, view.items[key])] for key in keys}
 
     def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
         """This rank's view, its tensor regions by stored key, and the shareable ones (see :data:`Offer`)."""
         view = rank_view(manifest, self.group.rank, keys)
         live = {item.key: item for item in self.provider.describe() if isinstance(item, TensorItem)}
         regions: dict[str, Region] = {}
-        for key in sorted({_stored(view, k) for k in keys}):
+        for key in sorted({stored_key(k, view.items[k]) for k in keys}):
             record = view.items[key]
             if not isinstance(record, ObjectRecord):
                 regions[key] = Region(key, record, _target_box(key, record, live.get(key)))
@@ -133,7 +132,7 @@ class _CollectiveRead:
     def _read(
         self, directory: Path, view: Manifest, keys: list[str], regions: dict[str, Region], mine: list[str]
     ) -> dict[str, Any]:
-        objects = sorted({_stored(view, k) for k in keys} - set(regions))
+        objects = sorted({stored_key(k, view.items[k]) for k in keys} - set(regions))
         values = read_items(directory, view, objects, allow_pickle=self.allow_pickle) if objects else {}
         tensors = read_regions(directory, view, [regions[key] for key in mine])
         self.bytes_read = tensors.bytes_read
@@ -185,8 +184,7 @@ def _layout(share: list[RegionId], sizes: dict[RegionId, int]) -> tuple[list[tup
 def _writer(region: Region) -> int | None:
     """The rank that wrote all of the region's bytes (they are in its data file), or None."""
     files = source_files(region)
-    match = _DATA_FILE_RANK.match(next(iter(files))) if len(files) == 1 else None
-    return int(match.group(1)) if match else None
+    return data_file_rank(next(iter(files))) if len(files) == 1 else None
 
 
 def _owners(offers: dict[int, dict[RegionId, Offer]]) -> tuple[dict[RegionId, int], dict[RegionId, int]]:
@@ -214,8 +212,3 @@ def _owners(offers: dict[int, dict[RegionId, Offer]]) -> tuple[dict[RegionId, in
 
 def _ident(region: Region) -> RegionId:
     return region.key, region.box.offsets, region.box.shape
-
-
-def _stored(view: Manifest, key: str) -> str:
-    record = view.items[key]
-    return record.of if isinstance(record, AliasRecord) else key

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,8 @@ import torch
 
 from tierstate.errors import TierstateError
 
+from ..providers.base import ReadState
 from ..providers.composite import CompositeProvider
-from ..providers.items import hand_over
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import Manifest, ManifestError
 from ..tiers.locks import reading
@@ -28,8 +28,9 @@ from ..tiers.reader import CorruptCheckpointError, read_items
 log = logging.getLogger("tierstate")
 
 
-CopyReader = Callable[[Path, Manifest, list[str]], dict[str, Any]]
-"""Reads the given items of one committed copy: (its directory, its manifest, item keys) -> state."""
+CopyReader = Callable[[Path, Manifest, list[str]], Mapping[str, Any]]
+"""Reads the given items of one committed copy: (its directory, its manifest, item keys) -> state
+(a :class:`~providers.base.ReadState` where it can tell the providers which tensors are fresh)."""
 
 
 class NoCheckpointError(TierstateError, FileNotFoundError):
@@ -58,17 +59,17 @@ def resolve_step(tiers: list[FilesystemTier], which: int | str) -> int:
     return which
 
 
-def hand_over_fresh(state: dict[str, Any]) -> None:
-    """Mark the tensors of a freshly read ``state`` as the providers' to keep (``hand_over``), except
-    those sharing storage with another item (tied weights): those a keeping provider still copies."""
+def fresh_read(state: dict[str, Any]) -> ReadState:
+    """A state just read into buffers of its own (:func:`read_items`), as the providers receive it: every
+    tensor fresh, except those sharing storage with another item (tied weights), which a keeping
+    provider must still copy, and empty ones, whose storages cannot be told apart."""
     storages: dict[int, int] = {}
-    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-    for tensor in tensors:
+    tensors = {key: v for key, v in state.items() if isinstance(v, torch.Tensor)}
+    for tensor in tensors.values():
         ptr = tensor.untyped_storage().data_ptr()
         storages[ptr] = storages.get(ptr, 0) + 1
-    for tensor in tensors:
-        if storages[tensor.untyped_storage().data_ptr()] == 1 and tensor.numel():
-            hand_over(tensor)
+    fresh = {key for key, t in tensors.items() if t.numel() and storages[t.untyped_storage().data_ptr()] == 1}
+    return ReadState(state, fresh)
 
 
 def restore_into(
@@ -90,10 +91,8 @@ def restore_into(
     """
     if read is None:
 
-        def read(directory: Path, manifest: Manifest, keys: list[str]) -> dict[str, Any]:
-            state = read_items(directory, manifest, keys, allow_pickle=allow_pickle)
-            hand_over_fresh(state)  # read_items allocates every buffer fresh
-            return state
+        def read(directory: Path, manifest: Manifest, keys: list[str]) -> Mapping[str, Any]:
+            return fresh_read(read_items(directory, manifest, keys, allow_pickle=allow_pickle))
 
     wanted = resolve_step(tiers, which)
     candidates = [wanted]

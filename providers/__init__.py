@@ -1,6 +1,6 @@
 """What training state is: providers describe it as items and restore it; they move no bytes."""
 
-from .base import RestoreError, StateProvider, require_keys
+from .base import ReadState, RestoreError, StateProvider, fresh_keys, require_keys
 from .composite import ChildRestoreError, CompositeProvider, sub_state
 from .items import SERIALIZERS, Item, ObjectItem, Serializer, ShardInfo, TensorItem
 from .module import ModuleProvider
@@ -22,6 +22,7 @@ __all__ = [
     "ObjectProvider",
     "OptimizerProvider",
     "RNGProvider",
+    "ReadState",
     "RestoreError",
     "Serializer",
     "ShardInfo",
@@ -30,6 +31,7 @@ __all__ = [
     "StatefulProvider",
     "TensorDictProvider",
     "TensorItem",
+    "fresh_keys",
     "join_tensors",
     "require_keys",
     "split_tensors",

@@ -8,7 +8,7 @@ in place where the state already exists.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Set, ValuesView
 from typing import Any, Protocol, runtime_checkable
 
 from tierstate.errors import TierstateError
@@ -29,6 +29,49 @@ class StateProvider(Protocol):
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put back the values of a checkpoint, keyed like ``describe()``'s items."""
         ...
+
+
+class ReadState(Mapping[str, Any]):
+    """Values a restore has just read, keyed like ``describe()``'s items, and which tensors are fresh.
+
+    A fresh tensor is memory the read allocated and nothing else references, so a provider whose
+    target keeps the tensors it is given (a torch optimizer) may keep it instead of copying it:
+    that saves a copy of the whole optimizer state on every restore. Any other tensor (one in a
+    plain mapping a caller passed, one sharing memory with another item) must be copied. Read-only,
+    so the keys marked fresh keep naming the very tensors that were read.
+    """
+
+    def __init__(self, values: Mapping[str, Any], fresh: Set[str] = frozenset()) -> None:
+        self._values = values
+        self.fresh = frozenset(fresh)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    # The mapping's own views, not Mapping's generic ones that look every key up again: a restore
+    # walks states of 10^4 items once per provider.
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def keys(self) -> KeysView[str]:
+        return self._values.keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self._values.items()
+
+    def values(self) -> ValuesView[Any]:
+        return self._values.values()
+
+
+def fresh_keys(state: Mapping[str, Any]) -> frozenset[str]:
+    """The keys of ``state`` whose tensors a provider may keep as they are: none unless it is a :class:`ReadState`."""
+    return state.fresh if isinstance(state, ReadState) else frozenset()
 
 
 def require_keys(owner: str, state: Mapping[str, Any], keys: set[str]) -> None:

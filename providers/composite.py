@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .base import RestoreError, StateProvider
+from .base import ReadState, RestoreError, StateProvider, fresh_keys
 from .items import Item
 
 
@@ -20,10 +20,15 @@ class ChildRestoreError(RestoreError):
         self.reason = reason
 
 
-def sub_state(state: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The items under ``name/``, with that prefix removed: what a child described under ``name``."""
+def sub_state(state: Mapping[str, Any], name: str) -> ReadState:
+    """The items under ``name/``, with that prefix removed: what a child described under ``name``.
+
+    Tensors fresh in ``state`` (see :class:`ReadState`) stay fresh for the child.
+    """
     prefix = f"{name}/"
-    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    cut = len(prefix)
+    values = {key[cut:]: value for key, value in state.items() if key.startswith(prefix)}
+    return ReadState(values, {key[cut:] for key in fresh_keys(state) if key.startswith(prefix)})
 
 
 class CompositeProvider:

@@ -13,7 +13,6 @@ data; a wrong ``replicated=True`` would keep one rank's value for all. One proce
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,19 +85,3 @@ class ObjectItem:
 
 
 Item = TensorItem | ObjectItem
-
-# Tensors a restore hands over for good: freshly read and referenced by nothing else, so a provider
-# whose target keeps the tensors it is given (a torch optimizer) may keep these instead of copying them
-# (saves a copy of the optimizer state on every restore). Anything not handed over must be copied.
-# Keyed by id with weak values (a WeakSet would compare tensors with ==, which is elementwise).
-_HANDED_OVER: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def hand_over(tensor: torch.Tensor) -> None:
-    """Mark ``tensor`` as the provider's to keep (the restore holds no other reference to its memory)."""
-    _HANDED_OVER[id(tensor)] = tensor
-
-
-def handed_over(value: object) -> bool:
-    """Whether ``value`` is this very tensor object that a restore handed over."""
-    return _HANDED_OVER.get(id(value)) is value

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from .items import Item, Serializer, TensorItem, handed_over
+from .base import fresh_keys
+from .items import Item, Serializer, TensorItem
 from .stateful import StatefulProvider
 
 
@@ -17,7 +18,7 @@ class OptimizerProvider(StatefulProvider):
     ``Optimizer.load_state_dict`` keeps the given tensors whenever no dtype/device cast is needed
     (always for ``step``), so the optimizer would share memory with buffers the pipeline may reuse.
     After loading, every optimizer tensor that aliases an input is replaced by its own copy, unless the
-    restore handed it over (``handed_over``: freshly read, referenced by nothing else).
+    input is fresh (see :class:`~providers.base.ReadState`: just read, referenced by nothing else).
     """
 
     def __init__(
@@ -54,10 +55,11 @@ class OptimizerProvider(StatefulProvider):
 
     def _after_load(self, state: Mapping[str, Any]) -> None:
         inputs = {v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
+        fresh = {id(state[key]) for key in fresh_keys(state)}  # state holds them, so their ids stay theirs
         live = self._live
         for param, param_state in self.optimizer.state.items():
             for name, value in list(param_state.items()):
-                if handed_over(value):
+                if id(value) in fresh:
                     continue  # the restore's own fresh memory: the optimizer may simply keep it
                 if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in inputs:
                     old = live.get((id(param), name))

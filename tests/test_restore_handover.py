@@ -3,15 +3,18 @@
 A torch optimizer keeps the tensors ``load_state_dict`` is given, so ``OptimizerProvider`` copies
 any that alias its input, in case the caller reuses that memory. Tensors a restore has just read
 into fresh buffers are nobody else's, and copying them cost ~0.2 s per GB of moments on every
-restore; those are handed over. Anything else (a caller's own tensors, tied storage) is still copied.
+restore; the restore says so in the state it hands over (``ReadState.fresh``). Anything else (a
+caller's own tensors, tied storage) is still copied.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from tierstate.providers import ModuleProvider, OptimizerProvider
-from tierstate.providers.items import hand_over, handed_over
+from tierstate.pipeline.restore import fresh_read
+from tierstate.providers import CompositeProvider, ModuleProvider, OptimizerProvider, ReadState
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -22,21 +25,52 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def test_handed_over_is_by_identity_not_by_value() -> None:
-    kept, other = torch.ones(4), torch.ones(4)
-    hand_over(kept)
-    assert handed_over(kept) and not handed_over(other) and not handed_over(3)
+def _copied_state(provider: OptimizerProvider) -> dict[str, Any]:
+    """The provider's state as a caller would hand it in: tensors cloned, objects as described."""
+    items = provider.describe()
+    return {i.key: i.tensor.clone() if hasattr(i, "tensor") else i.value for i in items}
+
+
+def _kept(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 def test_a_callers_tensors_are_still_copied() -> None:
     _, optimizer = _trained()
     provider = OptimizerProvider(optimizer)
-    state = {item.key: item.tensor.clone() for item in provider.describe() if hasattr(item, "tensor")}
-    state.update({item.key: item.value for item in provider.describe() if hasattr(item, "value")})
+    state = _copied_state(provider)
     provider.restore(state)
     inputs = {v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
-    kept = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    assert kept and not any(v.untyped_storage().data_ptr() in inputs for v in kept)
+    assert _kept(optimizer) and not any(v.untyped_storage().data_ptr() in inputs for v in _kept(optimizer))
+
+
+def test_fresh_tensors_are_kept_as_they_are_and_only_those() -> None:
+    _, optimizer = _trained()
+    provider = OptimizerProvider(optimizer)
+    state = _copied_state(provider)
+    tensors = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
+    fresh, copied = set(tensors[::2]), tensors[1::2]
+    provider.restore(ReadState(state, fresh))
+    kept_ids = {id(v) for v in _kept(optimizer)}
+    assert all(id(state[key]) in kept_ids for key in fresh)
+    inputs = {state[key].untyped_storage().data_ptr() for key in copied}
+    assert copied and not any(v.untyped_storage().data_ptr() in inputs for v in _kept(optimizer))
+
+
+def test_fresh_marks_reach_a_provider_inside_a_composite() -> None:
+    _, optimizer = _trained()
+    state = {f"optim/{key}": value for key, value in _copied_state(OptimizerProvider(optimizer)).items()}
+    fresh = {key for key, value in state.items() if isinstance(value, torch.Tensor)}
+    CompositeProvider(optim=OptimizerProvider(optimizer)).restore(ReadState(state, fresh))
+    assert {id(v) for v in _kept(optimizer)} == {id(state[key]) for key in fresh}
+
+
+def test_a_read_is_fresh_except_shared_or_empty_storage() -> None:
+    tied, own, empty = torch.ones(3), torch.zeros(2), torch.empty(0)
+    read = {"a": tied, "b": tied[1:], "c": own, "d": empty, "e": {"step": 1}}
+    state = fresh_read(read)
+    assert state.fresh == {"c"}
+    assert list(state) == list(read) and all(state[key] is value for key, value in read.items())
 
 
 def test_runner_restore_hands_read_tensors_to_the_optimizer(make_runner) -> None:
@@ -45,12 +79,12 @@ def test_runner_restore_hands_read_tensors_to_the_optimizer(make_runner) -> None
     runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
     runner.checkpoint(1).result()
     expected = {(i, k): v.clone() for i, s in enumerate(optimizer.state.values()) for k, v in s.items()}
-    for s in optimizer.state.values():
-        for v in s.values():
-            v.zero_()
+    before = {v.untyped_storage().data_ptr() for v in _kept(optimizer)}
+    for v in _kept(optimizer):
+        v.zero_()
     runner.restore(1)
-    restored = [v for s in optimizer.state.values() for v in s.values()]
-    assert all(handed_over(v) for v in restored if v.numel())  # kept as read: no copy was made
+    # Copied, the values would have gone into the tensors the optimizer had; kept, it holds the read buffers.
+    assert not any(v.untyped_storage().data_ptr() in before for v in _kept(optimizer) if v.numel())
     for i, s in enumerate(optimizer.state.values()):
         for k, v in s.items():
             assert torch.equal(v, expected[(i, k)])

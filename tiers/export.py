@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from .convert import batches, read_leaves, write_sliced
 from .dtypes import dtype_from_name
-from .format import AliasRecord, Manifest, ObjectRecord, ShardedRecord, TensorRecord
+from .format import Manifest, ObjectRecord, ShardedRecord, TensorRecord, stored_key
 from .hdf5 import Hdf5Container
 from .multirank import rank_view
 from .reader import read_items
@@ -71,8 +71,8 @@ def _logical_items(
     records: dict[str, TensorRecord | ObjectRecord] = {}
     aliases: dict[str, str] = {}
     for key, record in view.items.items():
-        if isinstance(record, AliasRecord):
-            aliases[key] = record.of
+        if (target := stored_key(key, record)) != key:
+            aliases[key] = target
         elif isinstance(record, ShardedRecord):
             records[key] = TensorRecord(dtype=record.dtype, shape=record.global_shape, pieces=[])
         else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,15 +24,14 @@ from tierstate.errors import TierstateError
 
 from .boxes import Box, tiling_problem
 from .dtypes import UnknownDtypeError, dtype_from_name
+from .names import data_file_name, data_file_rank, parse_rank_file
+from .names import index_file_name as index_file_name  # re-export: pipeline/job.py, tiers/convert.py import it here
 
 FORMAT_NAME = "tierstate"
 FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"
 MANIFEST_NAME = "manifest.json"
 CODECS = ("none", "zstd")
 MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes before allocation
-# \Z, not $: "$" also matches before a trailing newline. .h5: the HDF5 container (tiers/hdf5.py).
-DATA_FILE_RE = re.compile(r"^rank-[0-9]{5}\.(data|h5)\Z")
-INDEX_FILE_RE = re.compile(r"^rank-[0-9]{5}\.index\Z")
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
 
 NonNegative = Annotated[int, Field(ge=0, le=MAX_BYTES)]
@@ -46,14 +44,6 @@ class ManifestError(TierstateError, ValueError):
 def checksum(data: bytes | memoryview) -> str:
     """Checksum of one stored frame: xxh3-64, hex. Fast enough to run on every byte we write."""
     return xxhash.xxh3_64_hexdigest(data)
-
-
-def data_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.data"
-
-
-def index_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.index"
 
 
 class _Strict(BaseModel):
@@ -151,6 +141,14 @@ class PerRankRecord(_Strict):
 
 AnyRecord = TensorRecord | ObjectRecord | AliasRecord | ShardedRecord | PerRankRecord
 ItemRecord = Annotated[AnyRecord, Field(discriminator="kind")]
+
+
+def stored_key(key: str, record: AnyRecord) -> str:
+    """The key whose record holds the bytes of item ``key`` (``record``): an alias's target, else ``key``.
+
+    Tied tensors are stored once; every reader that meets an alias reads its target instead.
+    """
+    return record.of if isinstance(record, AliasRecord) else key
 
 
 class Manifest(_Strict):
@@ -281,7 +279,7 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
 def check_consistency(manifest: Manifest, source: str) -> None:
     """Cross-field checks pydantic cannot express: names, bounds, coverage of every item."""
     for name, record in manifest.files.items():
-        if not DATA_FILE_RE.match(name):
+        if data_file_rank(name) is None:
             raise ManifestError(f"{source}: data file name {name!r} is not allowed (expected rank-NNNNN.data or .h5)")
         end = 0
         # Listed in any order (HDF5 frames are recorded as they finish), but they must not overlap.
@@ -299,7 +297,8 @@ def check_consistency(manifest: Manifest, source: str) -> None:
                 raise ManifestError(f"{source}: file {name} frame {i}: shuffle width does not divide its length")
             end = frame.offset + frame.length
     for name in manifest.indexes:
-        if not INDEX_FILE_RE.match(name):
+        parsed = parse_rank_file(name)
+        if parsed is None or parsed.kind != "index":
             raise ManifestError(f"{source}: index file name {name!r} is not allowed")
     for key, item in manifest.items.items():
         try:
@@ -405,7 +404,7 @@ def parse_index(raw: bytes, source: str) -> IndexRecord:
     except ValidationError as exc:
         raise _invalid(exc, source, "index") from None
     names = {p.file for record in index.items.values() for p in getattr(record, "pieces", [])}
-    own = [n for n in names if n.startswith(f"rank-{index.rank:05d}.")]
+    own = [n for n in names if data_file_rank(n) == index.rank]
     if len(names) > 1 or len(own) != len(names):
         raise ManifestError(f"{source}: rank {index.rank}'s index has pieces in {sorted(names)}")
     files = {name: index.file for name in names or {data_file_name(index.rank)}}

@@ -21,7 +21,6 @@ from pydantic import ValidationError
 
 from .format import (
     FORMAT_VERSION,
-    AliasRecord,
     AnyRecord,
     Manifest,
     ManifestError,
@@ -29,6 +28,7 @@ from .format import (
     ShardedRecord,
     TensorRecord,
     now_iso,
+    stored_key,
 )
 
 
@@ -133,9 +133,7 @@ def rank_view(manifest: Manifest, rank: int, keys: Iterable[str]) -> Manifest:
     pending = list(keys)
     while pending:
         key = pending.pop()
-        if key in items:
-            continue
-        items[key] = rank_record(manifest, key, rank)
-        if isinstance(items[key], AliasRecord):
-            pending.append(items[key].of)
+        if key not in items:
+            items[key] = rank_record(manifest, key, rank)
+            pending.append(stored_key(key, items[key]))
     return manifest.model_copy(update={"items": items})

@@ -8,22 +8,24 @@ loading with the world size it was saved with reads each shard once, straight in
 
 Copies run on bytes (the last dimension widened by the element size), so every dtype reshards,
 including those without element-wise copy kernels on CPU (float8, bits, sub-byte).
+
+The middle reading layer: built on :mod:`tiers.pieces` (frames -> verified bytes); loading whole
+items (:mod:`tiers.reader`) and restore on many ranks build on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from .boxes import Box
 from .dtypes import dtype_from_name
-from .format import AliasRecord, Manifest, Piece, ShardedRecord, TensorRecord
-from .multirank import rank_view
-from .reader import read_items, read_pieces
+from .format import Manifest, Piece, ShardedRecord, TensorRecord
+from .pieces import ByteBuffers, read_pieces
 
 
 @dataclass(frozen=True)
@@ -78,23 +80,6 @@ def _flat(position: Sequence[int], shape: Sequence[int]) -> int:
     return sum(p * s for p, s in zip(position, _strides(shape), strict=True))
 
 
-class _Windows:
-    """Per (region, source): a buffer holding bytes [base, end) of the source, filled piece by piece."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[Hashable, torch.Tensor] = {}
-        self.bases: dict[Hashable, int] = {}
-
-    def add(self, key: Hashable, pieces: list[Piece]) -> None:
-        self.bases[key] = pieces[0].item_offset if pieces else 0
-        end = pieces[-1].item_offset + pieces[-1].length if pieces else 0
-        self.buffers[key] = torch.empty(end - self.bases[key], dtype=torch.uint8)
-
-    def view(self, key: Hashable, piece: Piece) -> memoryview:
-        start = piece.item_offset - self.bases[key]
-        return memoryview(self.buffers[key].numpy()).cast("B")[start : start + piece.length]
-
-
 def _covering_pieces(record: TensorRecord, source: Box, overlap: Box, itemsize: int) -> list[Piece]:
     """The pieces of ``record`` holding any byte between the overlap's first and last element."""
     byte_source, byte_overlap = _byte_box(source, itemsize), _byte_box(overlap.relative_to(source), itemsize)
@@ -104,6 +89,13 @@ def _covering_pieces(record: TensorRecord, source: Box, overlap: Box, itemsize: 
     return [p for p in ordered if p.item_offset <= last and p.item_offset + p.length > first]
 
 
+def _span(pieces: list[Piece]) -> tuple[int, int]:
+    """The item bytes ``[first, end)`` that ``pieces`` (in item order, without gaps) hold together."""
+    if not pieces:
+        return 0, 0
+    return pieces[0].item_offset, pieces[-1].item_offset + pieces[-1].length
+
+
 class RegionsRead(NamedTuple):
     tensors: list[torch.Tensor]  # one per region, in order
     bytes_read: int  # stored bytes read for them (whole frames)
@@ -111,7 +103,7 @@ class RegionsRead(NamedTuple):
 
 def read_regions(directory: Path, manifest: Manifest, regions: Sequence[Region], workers: int = 4) -> RegionsRead:
     """One tensor per region, its box of the global tensor, in one verified pass over the frames needed."""
-    windows = _Windows()
+    windows = ByteBuffers()
     wanted: dict[Hashable, list[Piece]] = {}
     overlaps: list[list[tuple[Hashable, Box, Box]]] = []
     for i, region in enumerate(regions):
@@ -127,7 +119,8 @@ def read_regions(directory: Path, manifest: Manifest, regions: Sequence[Region],
             overlap = source.intersect(region.box)
             if overlap is not None:
                 wanted[(i, j)] = _covering_pieces(record, source, overlap, itemsize)
-                windows.add((i, j), wanted[(i, j)])
+                base, end = _span(wanted[(i, j)])
+                windows.add((i, j), end - base, base)
                 found.append(((i, j), source, overlap))
         overlaps.append(found)
     bytes_read = read_pieces(directory, manifest, wanted, windows, workers)
@@ -135,7 +128,7 @@ def read_regions(directory: Path, manifest: Manifest, regions: Sequence[Region],
     return RegionsRead(tensors, bytes_read)
 
 
-def _assemble(region: Region, found: list[tuple[Hashable, Box, Box]], windows: _Windows) -> torch.Tensor:
+def _assemble(region: Region, found: list[tuple[Hashable, Box, Box]], windows: ByteBuffers) -> torch.Tensor:
     dtype = dtype_from_name(region.record.dtype)
     if len(found) == 1 and found[0][1] == region.box:
         # The box is exactly one stored tensor: its buffer already is the result, no copy.
@@ -155,27 +148,3 @@ def _assemble(region: Region, found: list[tuple[Hashable, Box, Box]], windows: _
         target = out_bytes[tuple(slice(o, o + s) for o, s in zip(in_out.offsets, in_out.shape, strict=True))]
         target.copy_(piece)
     return out
-
-
-def read_global(
-    directory: Path,
-    manifest: Manifest,
-    keys: Iterable[str],
-    rank: int = 0,
-    allow_pickle: bool = False,
-    workers: int = 4,
-) -> dict[str, Any]:
-    """Items as ``rank`` sees them, every sharded tensor reassembled whole: key -> tensor or object."""
-    wanted = list(keys)
-    view = rank_view(manifest, rank, wanted)
-
-    def stored(key: str) -> str:
-        record = view.items[key]
-        return record.of if isinstance(record, AliasRecord) else key
-
-    sharded = sorted({stored(k) for k in wanted if isinstance(view.items[stored(k)], ShardedRecord)})
-    plain = [k for k in wanted if stored(k) not in sharded]
-    values = read_items(directory, view, plain, allow_pickle=allow_pickle, workers=workers) if plain else {}
-    regions = [Region(k, view.items[k], Box.whole(global_shape(view.items[k]))) for k in sharded]
-    whole = dict(zip(sharded, read_regions(directory, view, regions, workers).tensors, strict=True))
-    return {k: values[k] if k in values else whole[stored(k)] for k in wanted}

@@ -1,0 +1,67 @@
+"""The rank file-name grammar: names built, parsed back, strangers refused, and written in one place."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tierstate.tiers.names import (
+    RankFile,
+    data_file_name,
+    data_file_rank,
+    hdf5_file_name,
+    index_file_name,
+    parse_rank_file,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Modules that still spell the grammar out themselves, until they import it from tiers/names.py.
+PENDING = {"tiers/convert.py", "tiers/hdf5.py"}
+
+
+@pytest.mark.parametrize("rank", [0, 7, 12345, 99999])
+def test_every_name_parses_back_to_its_rank_and_kind(rank: int) -> None:
+    assert parse_rank_file(data_file_name(rank)) == RankFile(rank, "data")
+    assert parse_rank_file(hdf5_file_name(rank)) == RankFile(rank, "h5")
+    assert parse_rank_file(index_file_name(rank)) == RankFile(rank, "index")
+    assert data_file_rank(data_file_name(rank)) == data_file_rank(hdf5_file_name(rank)) == rank
+    assert data_file_rank(index_file_name(rank)) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rank-0000.data",
+        "rank-000000.data",
+        "rank-00000.data\n",
+        "rank-00000.data/x",
+        "../rank-00000.data",
+        "rank-\u0660\u0660\u0660\u0660\u0660.data",
+        "rank-00000.json",
+        "rank-00000.index.tmp",
+        "manifest.json",
+    ],
+)
+def test_names_outside_the_grammar_are_no_rank_files(name: str) -> None:
+    assert parse_rank_file(name) is None and data_file_rank(name) is None
+
+
+def _spells_rank_names(path: Path) -> bool:
+    """Whether ``path`` builds (``f"rank-{...}"``) or matches (``"^rank-..."``) rank file names itself."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.JoinedStr) and node.values:
+            first = node.values[0]
+            if isinstance(first, ast.Constant) and str(first.value).startswith("rank-"):
+                return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("^rank-"):
+            return True
+    return False
+
+
+def test_rank_file_names_are_spelled_out_only_in_names() -> None:
+    sources = [p for folder in ("pipeline", "providers", "tiers") for p in (REPO / folder).glob("*.py")]
+    spelled = {str(p.relative_to(REPO)) for p in sources if _spells_rank_names(p)}
+    assert spelled == {"tiers/names.py"} | PENDING, "build and parse rank file names with tiers/names.py"

@@ -1,0 +1,60 @@
+"""The names of a rank's files in a checkpoint directory, and reading a rank back out of a name.
+
+Each rank writes one data file (``rank-NNNNN.data`` in the frames container, ``rank-NNNNN.h5`` in
+HDF5) and one index (``rank-NNNNN.index``). Writers, the manifest's name checks, format conversion
+and restore's "who wrote this" all use this one grammar, so a name one of them writes is a name
+the others accept. Parsing is strict (exactly five ASCII digits, nothing after the suffix): a
+manifest names files only this way, which is what keeps its paths inside the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, NamedTuple, cast
+
+RankFileKind = Literal["data", "h5", "index"]
+DATA_KINDS: tuple[RankFileKind, ...] = ("data", "h5")  # the frames container, the HDF5 container
+
+# \Z, not $: "$" also matches before a trailing newline; [0-9], not \d: \d matches any Unicode digit.
+_RANK_FILE = re.compile(r"^rank-([0-9]{5})\.(data|h5|index)\Z")
+
+
+class RankFile(NamedTuple):
+    """A parsed rank file name: whose it is and what it holds."""
+
+    rank: int
+    kind: RankFileKind
+
+
+def rank_file_name(rank: int, kind: RankFileKind) -> str:
+    """The name of ``rank``'s file of ``kind``: ``rank-00003.data``."""
+    return f"rank-{rank:05d}.{kind}"
+
+
+def data_file_name(rank: int) -> str:
+    """``rank``'s data file in the frames container."""
+    return rank_file_name(rank, "data")
+
+
+def hdf5_file_name(rank: int) -> str:
+    """``rank``'s data file in the HDF5 container."""
+    return rank_file_name(rank, "h5")
+
+
+def index_file_name(rank: int) -> str:
+    """``rank``'s index: its data file's frames and the items it wrote."""
+    return rank_file_name(rank, "index")
+
+
+def parse_rank_file(name: str) -> RankFile | None:
+    """The rank and kind ``name`` names, or None when it is not a rank file name at all."""
+    match = _RANK_FILE.match(name)
+    if match is None:
+        return None
+    return RankFile(int(match.group(1)), cast(RankFileKind, match.group(2)))
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank whose data file (either container) ``name`` is, or None when it names no data file."""
+    parsed = parse_rank_file(name)
+    return parsed.rank if parsed is not None and parsed.kind in DATA_KINDS else None
