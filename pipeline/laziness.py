@@ -1,0 +1,137 @@
+"""Which tensors a checkpoint may copy lazily, and a snapshot of all the others before it returns.
+
+Lazy capture is safe only for a tensor that nothing changes before its copy is done. The runner
+can promise that for exactly one writer: ``optimizer.step()`` of an attached optimizer, whose step
+pre-hook waits for the pending capture. So an item is copied lazily when it declares (``changes``):
+``"step"`` and an attached optimizer holds its storage (as a parameter or as optimizer state);
+``"never"`` (a frozen parameter, a provider's own fresh copy); or ``"guarded"`` (the user calls
+``runner.wait_captured()`` before changing it). Everything else, buffers updated in forward above
+all, is snapshotted on the trainer's thread before ``checkpoint()`` returns: a clone on the same
+device (on a GPU it is queued on the trainer's stream, ahead of the next forward's kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from ..providers.dtensor import is_dtensor
+from ..providers.items import TensorItem
+
+log = logging.getLogger("tierstate")
+
+
+def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper (accelerate's ``AcceleratedOptimizer`` keeps it as
+    ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``)."""
+    seen: list[object] = []
+    current = optimizer
+    while not isinstance(current, torch.optim.Optimizer):
+        seen.append(current)
+        inner = getattr(current, "optimizer", None) or getattr(current, "_optimizer", None)
+        if inner is None or len(seen) > 8:
+            chain = " -> ".join(type(o).__name__ for o in seen)
+            raise TypeError(f"attach() expects a torch.optim.Optimizer (or a wrapper of one), got {chain}")
+        current = inner
+    return current
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    """The address of the memory a tensor's values live in (a DTensor's: its local shard's)."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+@dataclass(frozen=True)
+class EagerSnapshot:
+    """What snapshotting cost on the trainer's thread, for the handle and the log."""
+
+    tensors: int
+    nbytes: int
+    uncovered: tuple[str, ...]  # "step" items that no attached optimizer covers
+
+
+class CaptureRules:
+    """The attached optimizers and, from them, which items may be captured lazily."""
+
+    def __init__(self) -> None:
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._signature: tuple[tuple[int, int, int], ...] = ()
+        self._covered: frozenset[int] = frozenset()
+        self._warned = False
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        return tuple(self._optimizers)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Remember ``optimizer``; False if it was attached already."""
+        if any(o is optimizer for o in self._optimizers):
+            return False
+        self._optimizers.append(optimizer)
+        return True
+
+    def covered(self) -> frozenset[int]:
+        """Storages of every parameter and state tensor of the attached optimizers.
+
+        Recomputed only when an optimizer gains parameters or state (its first step creates the
+        state; later steps update it in place), so a checkpoint of 10^5 tensors pays nothing here.
+        """
+        signature = tuple(
+            (id(o), len(o.state), sum(len(group["params"]) for group in o.param_groups)) for o in self._optimizers
+        )
+        if signature != self._signature:
+            storages: set[int] = set()
+            for optimizer in self._optimizers:
+                for group in optimizer.param_groups:
+                    storages.update(storage_of(p) for p in group["params"])
+                for state in optimizer.state.values():
+                    storages.update(storage_of(v) for v in state.values() if isinstance(v, torch.Tensor))
+            self._signature, self._covered = signature, frozenset(storages)
+        return self._covered
+
+    def lazy(self, item: TensorItem, covered: frozenset[int]) -> bool:
+        if item.changes in ("never", "guarded"):
+            return True
+        return item.changes == "step" and storage_of(item.tensor) in covered
+
+    def snapshot_eager(self, tensors: Iterable[TensorItem]) -> EagerSnapshot:
+        """Replace each item's tensor that may not be captured lazily by its own copy, now."""
+        covered = self.covered()
+        count = nbytes = 0
+        uncovered: list[str] = []
+        for item in tensors:
+            if self.lazy(item, covered):
+                continue
+            if item.changes == "step":
+                uncovered.append(item.key)
+            item.tensor = item.tensor.detach().clone(memory_format=torch.contiguous_format)
+            count += 1
+            nbytes += item.nbytes
+        if uncovered and not self._warned:
+            self._warned = True
+            log.warning(
+                "%d tensors that only optimizer.step() changes (e.g. %s) are not covered by an attached "
+                "optimizer, so they are copied before checkpoint() returns; register the optimizer "
+                "(OptimizerProvider) or call runner.attach(optimizer) to capture them while training goes on",
+                len(uncovered), uncovered[0],
+            )
+        return EagerSnapshot(count, nbytes, tuple(uncovered))
+
+
+def fingerprints(items: Iterable[TensorItem]) -> dict[str, int]:
+    """A hash of each item's current bytes (the capture check compares them before and after the copy)."""
+    return {item.key: _fingerprint(item.tensor) for item in items}
+
+
+def changed_keys(before: dict[str, int], items: Iterable[TensorItem]) -> list[str]:
+    return sorted(item.key for item in items if item.key in before and _fingerprint(item.tensor) != before[item.key])
+
+
+def _fingerprint(tensor: torch.Tensor) -> int:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy() if flat.numel() else b"")
