@@ -11,40 +11,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..tiers import codecs
-from ..tiers.dtypes import dtype_name
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import (
-    FileRecord,
-    ManifestBody,
-    alias_body,
-    checksum,
-    data_file_name,
-    index_bytes,
-    index_file_name,
-    manifest_body,
-    object_body,
-    tensor_body,
-    write_durably,
-)
 from ..tiers.hostcache import HostCache, Slab
 from ..tiers.objcodec import ObjectCodecError, encode_object
 from .capture import SlabCopier
 from .commit import Commit, TierCommit
-from .config import PipelineConfig, StageConfig
-from .hdf5_persist import Hdf5Writer, write_chunk
-from .persist import FrameWriter
+from .config import PersistStage, PipelineConfig
+from .persist import TierWriter
 from .plan import CheckpointPlan, ChunkPlan
-from .retry import RetryPolicy, storage_call
+from .retry import storage_call
 from .units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
 
 
@@ -89,50 +71,24 @@ class CheckpointJob:
         self.on_captured = on_captured
         self.stats = JobStats()
         self._held: set[Slab] = set()
-        self._pieces: dict[str, list[dict[str, Any]]] = defaultdict(list)  # JSON-form Pieces, per item
-        self._object_lengths: dict[str, int] = {}
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
-        self._writer: FrameWriter | Hdf5Writer | None = None
+        self._writer: TierWriter | None = None
 
     async def run(self) -> Path:
         tier = self.ctx.tier
         commit = self.ctx.commit or TierCommit(tier)
         partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, self.plan)
         self._to_capture = len(self.plan.chunks)  # with many ranks, only this rank's share
-        persist = self._persist_stage()
-        retry = RetryPolicy(persist.retries, persist.backoff)
         try:
             if not self._to_capture:
                 self._captured()
-            if persist.format == "hdf5":
-                self._writer = await run_blocking(
-                    self.ctx.io, Hdf5Writer, partial, self.ctx.rank, self.plan, self.step,
-                    self.ctx.config.align, persist.bandwidth, self.ctx.io,
-                )
-            else:
-                data_path = partial / data_file_name(self.ctx.rank)
-                self._writer = await storage_call(
-                    self.ctx.io,
-                    f"tier {tier.name}: creating {data_path}",
-                    FrameWriter,
-                    data_path,
-                    self.ctx.config.align,
-                    self._persist_stage().bandwidth,
-                    self.ctx.io,
-                    self._persist_stage().io,
-                    retry,
-                )
-            await self._flow()
-            where = f"tier {tier.name}: fsync of {self._writer.path}"
-            file = await storage_call(self.ctx.io, where, self._writer.finish)
-            manifest = self._manifest(file)
-            index = index_bytes(self.ctx.rank, self.step, file, manifest["items"])
-            index_path = partial / index_file_name(self.ctx.rank)
-            await storage_call(
-                self.ctx.io, f"tier {tier.name}: writing {index_path}", write_durably, index_path, index, retry=retry
+            self._writer = await TierWriter.open(
+                tier.name, partial, self.ctx.rank, self.step, self.plan, self._persist_stage(),
+                self.ctx.config.align, self.ctx.io,
             )
-            manifest["indexes"] = {index_file_name(self.ctx.rank): checksum(index)}
+            await self._flow()
+            manifest = await self._writer.finish()
             where = f"tier {tier.name}: committing {partial}"
             final = await storage_call(self.ctx.io, where, commit.commit, self.step, manifest)
         except BaseException as exc:
@@ -146,8 +102,10 @@ class CheckpointJob:
         self.stats.durable_s = time.monotonic() - self._started
         return final
 
-    def _persist_stage(self) -> StageConfig:
-        return self.ctx.config.chain()[-1][1]
+    def _persist_stage(self) -> PersistStage:
+        stage = self.ctx.config.chain()[-1][1]
+        assert isinstance(stage, PersistStage)  # the config guarantees the chain ends in persist
+        return stage
 
     async def _flow(self) -> None:
         chain = self.ctx.config.chain()
@@ -242,7 +200,6 @@ class CheckpointJob:
             except ObjectCodecError as exc:
                 raise ObjectCodecError(f"item {item.key!r}: {exc}") from None
             entries.append(ChunkEntry(item.key, 0, len(data), offset))
-            self._object_lengths[item.key] = len(data)
             parts.append(data)
             offset += len(data)
         return Chunk(entries=entries, raw=memoryview(b"".join(parts)))
@@ -276,24 +233,9 @@ class CheckpointJob:
 
     async def _persist(self, chunk: Chunk) -> None:
         assert self._writer is not None
-        for key, piece in await write_chunk(self._writer, chunk):
-            self._pieces[key].append(piece)
+        await self._writer.write(chunk)
         self.stats.raw_bytes += len(chunk.raw)
         self.stats.stored_bytes += len(chunk.payload)
         self.stats.chunks += 1
         if chunk.slab is not None:
             self._release(chunk.slab)
-
-    def _manifest(self, file: FileRecord) -> ManifestBody:
-        """This rank's manifest, in JSON form (plain dicts: a checkpoint may hold 10^4 tensors)."""
-        items: dict[str, dict[str, Any]] = {}
-        for item in self.plan.tensors:
-            t = item.tensor
-            shard = None if item.shard is None else (list(item.shard.global_shape), list(item.shard.offsets))
-            pieces = sorted(self._pieces.get(item.key, []), key=itemgetter("item_offset"))
-            items[item.key] = tensor_body(dtype_name(t.dtype), list(t.shape), pieces, shard)
-        for obj in self.plan.objects:
-            items[obj.key] = object_body(obj.serializer, self._object_lengths[obj.key], self._pieces[obj.key])
-        for key, target in self.plan.aliases.items():
-            items[key] = alias_body(target)
-        return manifest_body(self.step, {self._writer.name: file}, items)

@@ -2,13 +2,15 @@
 
 A bare ``OSError: [Errno 5] Input/output error`` from an fsync says neither which tier nor which
 file, so every storage call of a checkpoint goes through :func:`storage_call`, which turns an
-OSError into a :class:`~tiers.filesystem.TierError` that keeps the errno and names the operation.
+OSError into a :class:`~tiers.filesystem.TierError` that keeps the errno and names the operation
+(and where in the file, when the writer added that as a note to the error).
 
-Only writes that put all their bytes at a fixed place again are retried (a frame ``pwrite`` at its
-offset, the index via a temporary file and a rename): repeating them cannot leave a mix of old and
-new bytes. An fsync or the commit is never retried: after a failed fsync Linux may mark the lost
-pages clean, so a second fsync can succeed although the data never reached the disk; the
-checkpoint fails instead and the previous one stays.
+Only writes that put all their bytes at a fixed place again are retried (a chunk written again
+goes to the frames it was given the first time, see :mod:`tiers.container`; the index goes via a
+temporary file and a rename): repeating them cannot leave a mix of old and new bytes. An fsync
+or the commit is never retried: after a failed fsync Linux may mark the lost pages clean, so a
+second fsync can succeed although the data never reached the disk; the checkpoint fails instead
+and the previous one stays.
 """
 
 from __future__ import annotations
@@ -61,11 +63,12 @@ async def storage_call(
         except TierError:
             raise  # already says which tier and path
         except OSError as exc:
+            where = " ".join([what, *getattr(exc, "__notes__", ())])  # a writer's note: where in the file
             if retry is None or exc.errno not in TRANSIENT_ERRNOS or retries >= retry.retries:
                 after = f" (after {retries} {'retry' if retries == 1 else 'retries'})" if retries else ""
-                message = f"{what}: {exc.strerror or exc}{after}"
+                message = f"{where}: {exc.strerror or exc}{after}"
                 raise (TierError(exc.errno, message) if exc.errno else TierError(message)) from exc
             delay = retry.delay(retries)
             retries += 1
-            log.warning("%s: %s; retry %d of %d in %.2f s", what, exc.strerror, retries, retry.retries, delay)
+            log.warning("%s: %s; retry %d of %d in %.2f s", where, exc.strerror, retries, retry.retries, delay)
             await asyncio.sleep(delay)

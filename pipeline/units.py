@@ -3,7 +3,9 @@
 A checkpoint enters the pipeline as one :class:`ObjectBatch` (its snapshotted Python objects) and
 one :class:`~pipeline.plan.ChunkPlan` per chunk of tensor bytes. Capture turns plans into
 :class:`Chunk` s held in host-cache slabs; serialize turns the object batch into a chunk of
-encoded bytes; compress may replace a chunk's stored bytes; persist writes them as one frame.
+encoded bytes; compress may replace a chunk's stored bytes; persist hands it to the data file's
+container. :class:`Chunk` and :class:`ChunkEntry` are defined where containers take them
+(:mod:`tiers.container`).
 """
 
 from __future__ import annotations
@@ -11,45 +13,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..providers.items import ObjectItem
-from ..tiers.hostcache import Slab
+from ..tiers.container import Chunk, ChunkEntry
+
+__all__ = ["DONE", "Chunk", "ChunkEntry", "Done", "ObjectBatch", "run_blocking"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ChunkEntry:
-    """Bytes [item_offset, item_offset + length) of item ``key`` sit at ``chunk_offset``."""
-
-    key: str
-    item_offset: int
-    length: int
-    chunk_offset: int
 
 
 @dataclass
 class ObjectBatch:
     objects: list[ObjectItem]
-
-
-@dataclass
-class Chunk:
-    entries: list[ChunkEntry]
-    raw: memoryview
-    slab: Slab | None = None
-    codec: str = "none"
-    shuffle: int = 1
-    element_size: int = 1  # the byte-shuffle width that suits this chunk's dtypes
-    stored: memoryview | bytes | None = None
-    object_lengths: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def payload(self) -> memoryview | bytes:
-        """The bytes persist writes: compressed when compress shrank them, else the raw bytes."""
-        return self.raw if self.stored is None else self.stored
 
 
 class Done:

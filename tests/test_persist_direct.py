@@ -9,17 +9,17 @@ still lands correctly through the buffered descriptor.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
+import errno
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tierstate.pipeline.persist import DIRECT_ALIGN, FrameWriter
-from tierstate.pipeline.units import Chunk, ChunkEntry
-from tierstate.tiers.format import checksum
+from tierstate.tiers import faults
+from tierstate.tiers.container import Chunk, ChunkEntry
+from tierstate.tiers.format import checksum, piece_body
+from tierstate.tiers.framefile import DIRECT_ALIGN, FrameFile
 from tierstate.tiers.hostcache import HostCache, Slab
 
 SLAB = 1 << 20
@@ -30,15 +30,11 @@ def _chunk(slab: Slab, data: bytes) -> Chunk:
     return Chunk(entries=[ChunkEntry("x", 0, len(data), 0)], raw=slab.view(len(data)), slab=slab)
 
 
-def _write(path: Path, chunks: list[Chunk], io: str = "auto") -> tuple[FrameWriter, list]:
-    async def run() -> tuple[FrameWriter, list]:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            writer = FrameWriter(path, 4096, None, pool, io=io)
-            for chunk in chunks:
-                await writer.write(chunk)
-            return writer, writer.finish().frames
-
-    return asyncio.run(run())
+def _write(path: Path, chunks: list[Chunk], io: str = "auto") -> tuple[FrameFile, list]:
+    writer = FrameFile(path, 4096, io)
+    for chunk in chunks:
+        writer.write(chunk)
+    return writer, writer.finish().frames
 
 
 def _payloads(n: int) -> list[bytes]:
@@ -70,12 +66,7 @@ def test_frames_land_exactly_with_zero_gaps_and_trimmed_tail(tmp_path: Path, io:
 
 
 def test_direct_is_used_where_the_file_system_allows_it(tmp_path: Path) -> None:
-    probe = tmp_path / "probe"
-    probe.touch()
-    try:
-        os.close(os.open(probe, os.O_WRONLY | getattr(os, "O_DIRECT", 0)))
-    except OSError:
-        pytest.skip("this file system refuses O_DIRECT")
+    _skip_without_o_direct(tmp_path)
     cache = HostCache(8 * SLAB, SLAB, pinned=False)
     writer, _ = _write(tmp_path / "f.data", [_chunk(cache._slabs[i], p) for i, p in enumerate(_payloads(3))])
     assert writer.direct_frames == 3
@@ -94,3 +85,38 @@ def test_unaligned_and_compressed_frames_go_buffered(tmp_path: Path) -> None:
     assert writer.direct_frames == 0
     assert data[frames[0].offset : frames[0].offset + frames[0].length] == b"a" * 9000
     assert data[frames[1].offset : frames[1].offset + frames[1].length] == b"compressed"
+
+
+def test_a_retried_frame_keeps_its_place_and_no_padding_reaches_the_next(tmp_path: Path) -> None:
+    """A write that raised goes back into the frame it reserved, even after later frames were written.
+
+    With ``align`` below 4 KiB the next frame may start inside the 4 KiB a direct write pads to, so
+    such frames go buffered: a padded retry of frame 0 would zero the start of frame 1.
+    """
+    _skip_without_o_direct(tmp_path)
+    cache = HostCache(8 * SLAB, SLAB, pinned=False)
+    first, second = _chunk(cache._slabs[0], b"a" * 5000), _chunk(cache._slabs[1], b"b" * 5000)
+    writer = FrameFile(tmp_path / "f.data", 512)
+    with faults.inject("persist.write", _eio), pytest.raises(OSError) as raised:
+        writer.write(first)
+    assert raised.value.__notes__ == ["frame 0 at offset 0"]
+    assert writer.write(second) == [("x", piece_body("f.data", 1, 0, 5000, 0))]
+    assert writer.write(first) == [("x", piece_body("f.data", 0, 0, 5000, 0))]  # the retry
+    frames = writer.finish().frames
+    assert [(f.offset, f.length) for f in frames] == [(0, 5000), (5120, 5000)]
+    data = (tmp_path / "f.data").read_bytes()
+    assert data == b"a" * 5000 + bytes(120) + b"b" * 5000
+    assert writer.direct_frames == 0
+
+
+def _eio(_path: Path | None) -> None:
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def _skip_without_o_direct(directory: Path) -> None:
+    probe = directory / "probe"
+    probe.touch()
+    try:
+        os.close(os.open(probe, os.O_WRONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")

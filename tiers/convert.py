@@ -13,10 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import get_args
 
 import torch
 
+from .container import Chunk, ChunkEntry, ContainerWriter, Format
 from .format import (
     AliasRecord,
     AnyRecord,
@@ -36,12 +37,11 @@ from .format import (
     parse_manifest,
     write_durably,
 )
-from .framefile import FrameSink
+from .framefile import FrameFile
 from .hdf5 import Hdf5Container, hdf5_file_name
 from .reader import read_pieces
 
-Format = Literal["frames", "hdf5"]
-FORMATS: tuple[str, ...] = ("frames", "hdf5")
+FORMATS: tuple[str, ...] = get_args(Format)
 FRAME_BYTES = 16 << 20  # the default chunk size: frames as large as the pipeline writes
 BATCH_BYTES = 256 << 20
 _RANK_RE = re.compile(r"^rank-(\d{5})\.(data|h5)$")
@@ -49,35 +49,6 @@ _RANK_RE = re.compile(r"^rank-(\d{5})\.(data|h5)$")
 Progress = Callable[[int], None]
 LeafId = tuple[str, int | None]  # (item key, shard index or rank), None for a plain record
 Leaf = TensorRecord | ObjectRecord
-
-
-class ItemSink(Protocol):
-    """A data file being written item piece by item piece (frames or HDF5)."""
-
-    name: str
-
-    def write(self, key: str, item_offset: int, data: bytes | memoryview) -> Piece: ...
-    def finish(self) -> FileRecord: ...
-    def close(self) -> None: ...
-
-
-class PackedFile:
-    """A frames-format data file for rewrites: each piece its own frame at the next aligned offset."""
-
-    def __init__(self, path: Path, align: int) -> None:
-        self._sink = FrameSink(path, align=align)
-        self.name = path.name
-
-    def write(self, key: str, item_offset: int, data: bytes | memoryview) -> Piece:
-        frame = self._sink.append(data)
-        length = len(memoryview(data).cast("B"))
-        return Piece(file=self.name, frame=frame, offset=0, length=length, item_offset=item_offset)
-
-    def finish(self) -> FileRecord:
-        return self._sink.finish()
-
-    def close(self) -> None:
-        self._sink.close()
 
 
 def container_format(manifest: Manifest, source: str) -> Format:
@@ -161,13 +132,14 @@ def batches(items: list[tuple[Hashable, Leaf]], manifest: Manifest) -> Iterator[
         yield batch
 
 
-def write_sliced(sink: ItemSink, key: str, data: torch.Tensor, progress: Progress | None) -> list[Piece]:
+def write_sliced(writer: ContainerWriter, key: str, data: torch.Tensor, progress: Progress | None) -> list[Piece]:
     """Write one item's bytes as frames of at most FRAME_BYTES; their pieces, in item order."""
     view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
     pieces = []
     for start in range(0, len(view), FRAME_BYTES):
         part = view[start : start + FRAME_BYTES]
-        pieces.append(sink.write(key, start, part))
+        for _, piece in writer.write(Chunk(entries=[ChunkEntry(key, start, len(part), 0)], raw=part)):
+            pieces.append(Piece(**piece))
         if progress is not None:
             progress(len(part))
     return pieces
@@ -223,12 +195,12 @@ def _write_file(
     pieces: dict[LeafId, list[Piece]],
     progress: Progress | None,
 ) -> FileRecord:
-    sink: ItemSink
+    writer: ContainerWriter
     if fmt == "hdf5":
         container = Hdf5Container(path, align, {"step": manifest.step, "created": manifest.created})
-        sink = container
+        writer = container
     else:
-        sink = PackedFile(path, align)
+        writer = FrameFile(path, align, io="buffered")  # read back into torch buffers, not host-cache slabs
     try:
         if fmt == "hdf5":
             for (key, _), leaf in file_leaves:
@@ -239,8 +211,8 @@ def _write_file(
                     container.add_alias(key, record.of)
         for batch in batches(file_leaves, manifest):
             for lid, data in read_leaves(source, manifest, batch).items():
-                pieces[lid] = write_sliced(sink, lid[0], data, progress)
-        return sink.finish()
+                pieces[lid] = write_sliced(writer, lid[0], data, progress)
+        return writer.finish()
     except BaseException:
-        sink.close()
+        writer.close()
         raise

@@ -7,7 +7,9 @@ created, so their byte ranges are known up front and the tensor bytes are writte
 ``pwrite`` calls, as frames, exactly like the frames format: the manifest, the commit protocol,
 the reader, ``verify`` and ``migrate`` need nothing HDF5-specific. The bytes the HDF5 library
 writes itself (superblock, object headers) become frames too, so every byte of the file is covered
-by a checksum.
+by a checksum. It is a :class:`~tiers.container.ContainerWriter`: a chunk that coalesces several
+items is written as one frame per entry, each at its dataset's address. Frames are written raw,
+so chunks must arrive uncompressed.
 
 HDF5 has no bfloat16, float8 or sub-byte integer types. Those tensors are stored as raw bytes in
 an unsigned integer dataset of the same element size (uint16 for bfloat16) with the tensor's shape,
@@ -29,9 +31,10 @@ import numpy as np
 
 from tierstate.errors import TierstateError
 
+from .container import Chunk, ItemPiece, Layout
 from .dtypes import dtype_from_name
-from .format import FileRecord, Piece, ShardRecord
-from .framefile import FrameSink
+from .format import FileRecord, ShardRecord, piece_body
+from .framefile import FrameFile
 
 FORMAT_ATTR = "tierstate-hdf5"
 
@@ -79,24 +82,39 @@ def dataset_dtype(name: str) -> tuple[np.dtype, bool]:
 class Hdf5Container:
     """One HDF5 file being written: datasets are declared first, then their bytes arrive as frames.
 
-    ``write`` may be called from many threads at once; declaring datasets goes through h5py,
+    ``layout`` declares its tensors now, each of its objects when its bytes arrive (whole, in one
+    entry: only then is its length known) and its aliases at :meth:`finish`; ``add_*`` declare
+    more. ``write`` may be called from many threads at once; declaring datasets goes through h5py,
     which serializes itself.
     """
 
-    def __init__(self, path: Path, align: int, attrs: Mapping[str, Any]) -> None:
+    def __init__(self, path: Path, align: int, attrs: Mapping[str, Any], layout: Layout | None = None) -> None:
+        layout = layout or Layout()
         # Datasets of at least `align` bytes start at multiples of it: O_DIRECT-friendly, like frames.
         self._h5 = h5py.File(path, "w", alignment_threshold=align, alignment_interval=align)
+        self.path = path
+        self.name = path.name
+        self._offsets: dict[str, int | None] = {}
+        self._lock = threading.Lock()
+        self._objects = dict(layout.objects)
+        self._aliases = dict(layout.aliases)
         try:
             self._h5.attrs["format"] = FORMAT_ATTR
             for key, value in attrs.items():
                 self._h5.attrs[key] = value
-            self._sink = FrameSink(path, os.open(path, os.O_RDWR))
+            self._frames = FrameFile(path, align, io="buffered", create=False)
         except BaseException:
             self._h5.close()
             raise
-        self.name = path.name
-        self._offsets: dict[str, int | None] = {}
-        self._lock = threading.Lock()
+        try:
+            for key, tensor in layout.tensors.items():
+                shard = None
+                if tensor.shard is not None:
+                    shard = ShardRecord(global_shape=tensor.shard[0], offsets=tensor.shard[1])
+                self.add_tensor(key, tensor.dtype, tensor.shape, shard)
+        except BaseException:
+            self.close()
+            raise
 
     def add_tensor(self, key: str, dtype: str, shape: Sequence[int], shard: ShardRecord | None = None) -> None:
         stored, raw = dataset_dtype(dtype)
@@ -145,30 +163,42 @@ class Hdf5Container:
         with self._lock:
             self._offsets[key] = offset
 
-    def write(self, key: str, item_offset: int, data: bytes | memoryview) -> Piece:
-        """Write bytes ``[item_offset, item_offset + len(data))`` of ``key``'s dataset as one frame."""
-        base = self._offsets[key]
-        length = len(memoryview(data).cast("B"))
-        if base is None:
-            raise Hdf5LayoutError(f"item {key!r}: dataset has no storage for {length} bytes")
-        frame = self._sink.put(base + item_offset, data)
-        return Piece(file=self.name, frame=frame, offset=0, length=length, item_offset=item_offset)
+    def write(self, chunk: Chunk) -> list[ItemPiece]:
+        """Write each entry of ``chunk`` into its dataset, as one frame; where each piece now lies."""
+        if chunk.stored is not None:
+            raise ValueError(f"{self.path}: HDF5 datasets hold raw bytes, but a chunk arrived compressed")
+        pieces = []
+        for entry in chunk.entries:
+            if entry.key in self._objects and entry.key not in self._offsets:  # not yet declared by a try before
+                self.add_object(entry.key, self._objects[entry.key], entry.length)
+            if not entry.length:
+                continue
+            base = self._offsets[entry.key]
+            if base is None:
+                raise Hdf5LayoutError(f"item {entry.key!r}: dataset has no storage for {entry.length} bytes")
+            data = chunk.raw[entry.chunk_offset : entry.chunk_offset + entry.length]
+            frame = self._frames.put(base + entry.item_offset, data)
+            pieces.append((entry.key, piece_body(self.name, frame, 0, entry.length, entry.item_offset)))
+        return pieces
 
     def finish(self) -> FileRecord:
-        """Close the HDF5 file, checksum the library's own bytes as frames, fsync; the file's record."""
+        """Link tied tensors, close the HDF5 file, checksum the library's own bytes as frames, fsync;
+        the file's record."""
+        for key, target in self._aliases.items():
+            self.add_alias(key, target)
         self._h5.close()
-        size = os.path.getsize(self._sink.path)
+        size = os.path.getsize(self.path)
         position = 0
-        for frame in sorted(self._sink.frames, key=lambda f: f.offset):
+        for frame in self._frames.frames:
             if frame.offset > position:
-                self._sink.adopt(position, frame.offset - position)
+                self._frames.adopt(position, frame.offset - position)
             position = max(position, frame.offset + frame.length)
         if position < size:
-            self._sink.adopt(position, size - position)
-        return self._sink.finish(size)
+            self._frames.adopt(position, size - position)
+        return self._frames.finish(size)
 
     def close(self) -> None:
         """Abandon the file (after a failure): release the HDF5 handle and our descriptor."""
         if self._h5.id.valid:
             self._h5.close()
-        self._sink.close()
+        self._frames.close()

@@ -32,7 +32,8 @@ from pathlib import Path
 from tierstate.errors import TierstateError
 
 from . import faults
-from .convert import Format, container_format, rewrite
+from .container import Format
+from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
 from .format import FileRecord, FrameRecord, Manifest, checksum, write_durably
 from .framefile import BLOCK, hash_range
