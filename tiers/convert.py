@@ -10,7 +10,6 @@ conversion starts over.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import get_args
@@ -30,21 +29,19 @@ from .format import (
     ShardedRecord,
     TensorRecord,
     checksum,
-    data_file_name,
     index_bytes,
-    index_file_name,
     manifest_bytes,
     parse_manifest,
     write_durably,
 )
 from .framefile import FrameFile
-from .hdf5 import Hdf5Container, hdf5_file_name
-from .reader import read_pieces
+from .hdf5 import Hdf5Container
+from .names import data_file_name, data_file_rank, hdf5_file_name, index_file_name, parse_rank_file
+from .pieces import read_records
 
 FORMATS: tuple[str, ...] = get_args(Format)
 FRAME_BYTES = 16 << 20  # the default chunk size: frames as large as the pipeline writes
 BATCH_BYTES = 256 << 20
-_RANK_RE = re.compile(r"^rank-(\d{5})\.(data|h5)$")
 
 Progress = Callable[[int], None]
 LeafId = tuple[str, int | None]  # (item key, shard index or rank), None for a plain record
@@ -53,17 +50,26 @@ Leaf = TensorRecord | ObjectRecord
 
 def container_format(manifest: Manifest, source: str) -> Format:
     """Which container the checkpoint's data files are; one checkpoint never mixes them."""
-    kinds = {"hdf5" if name.endswith(".h5") else "frames" for name in manifest.files}
+    kinds = {"hdf5" if _kind(name) == "h5" else "frames" for name in manifest.files}
     if len(kinds) > 1:
         raise ManifestError(f"{source}: data files mix the frames and HDF5 formats")
     return kinds.pop() if kinds else "frames"
 
 
-def _target_name(fmt: str, source_file: str) -> str:
-    match = _RANK_RE.match(source_file)
-    if match is None:
+def _kind(name: str) -> str | None:
+    parsed = parse_rank_file(name)
+    return parsed.kind if parsed is not None else None
+
+
+def _rank_of(source_file: str) -> int:
+    rank = data_file_rank(source_file)
+    if rank is None:
         raise ManifestError(f"data file {source_file!r} does not name a rank")
-    rank = int(match.group(1))
+    return rank
+
+
+def _target_name(fmt: str, source_file: str) -> str:
+    rank = _rank_of(source_file)
     return hdf5_file_name(rank) if fmt == "hdf5" else data_file_name(rank)
 
 
@@ -94,27 +100,6 @@ def _with_pieces(key: str, record: AnyRecord, pieces: dict[LeafId, list[Piece]])
     if isinstance(record, AliasRecord):
         return record
     return record.model_copy(update={"pieces": pieces[(key, None)]})
-
-
-class _Buffers:
-    """One byte buffer per leaf being read: the destination :func:`read_pieces` fills."""
-
-    def __init__(self, manifest: Manifest, wanted: dict[Hashable, Leaf]) -> None:
-        self.buffers = {
-            lid: torch.empty(manifest.record_nbytes(leaf), dtype=torch.uint8) for lid, leaf in wanted.items()
-        }
-
-    def view(self, lid: Hashable, piece: Piece) -> memoryview:
-        buffer = self.buffers[lid]
-        whole = memoryview(buffer.numpy()).cast("B") if buffer.numel() else memoryview(b"")
-        return whole[piece.item_offset : piece.item_offset + piece.length]
-
-
-def read_leaves(directory: Path, manifest: Manifest, wanted: dict[Hashable, Leaf]) -> dict[Hashable, torch.Tensor]:
-    """The stored bytes of each wanted leaf, every frame verified on the way: id -> uint8 tensor."""
-    dest = _Buffers(manifest, wanted)
-    read_pieces(directory, manifest, {lid: leaf.pieces for lid, leaf in wanted.items()}, dest)
-    return dest.buffers
 
 
 def batches(items: list[tuple[Hashable, Leaf]], manifest: Manifest) -> Iterator[dict[Hashable, Leaf]]:
@@ -177,7 +162,7 @@ def rewrite(
         # Each index holds its rank's own records, rewritten: the leaves in its file, and the aliases of those.
         own = {lid[0]: rewritten_leaves[lid] for lid, _ in file_leaves}
         own |= {key: r for key, r in items.items() if isinstance(r, AliasRecord) and r.of in own}
-        rank = int(_RANK_RE.match(name).group(1))
+        rank = _rank_of(name)
         index = index_bytes(rank, manifest.step, files[name], {k: r.model_dump(mode="json") for k, r in own.items()})
         write_durably(target / index_file_name(rank), index)
         indexes[index_file_name(rank)] = checksum(index)
@@ -210,7 +195,7 @@ def _write_file(
                 if isinstance(record, AliasRecord) and record.of in plain:  # tied tensors: hard links
                     container.add_alias(key, record.of)
         for batch in batches(file_leaves, manifest):
-            for lid, data in read_leaves(source, manifest, batch).items():
+            for lid, data in read_records(source, manifest, batch).items():
                 pieces[lid] = write_sliced(writer, lid[0], data, progress)
         return writer.finish()
     except BaseException:

@@ -26,11 +26,12 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from .convert import batches, read_leaves, write_sliced
+from .convert import batches, write_sliced
 from .dtypes import dtype_from_name
 from .format import Manifest, ObjectRecord, ShardedRecord, TensorRecord, stored_key
 from .hdf5 import Hdf5Container
 from .multirank import rank_view
+from .pieces import read_records
 from .reader import read_items
 
 ExportFormat = Literal["hdf5", "safetensors"]
@@ -86,7 +87,7 @@ def _item_bytes(
     """Each record's bytes (uint8), a bounded batch at a time; sharded tensors reassembled by the reader."""
     stored = [(key, r) for key, r in records.items() if not isinstance(view.items[key], ShardedRecord)]
     for batch in batches(stored, view):
-        yield from read_leaves(directory, view, batch).items()
+        yield from read_records(directory, view, batch).items()
     for key in records:
         if isinstance(view.items[key], ShardedRecord):
             whole = read_items(directory, manifest, [key])[key]

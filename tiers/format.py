@@ -25,7 +25,6 @@ from tierstate.errors import TierstateError
 from .boxes import Box, tiling_problem
 from .dtypes import UnknownDtypeError, dtype_from_name
 from .names import data_file_name, data_file_rank, parse_rank_file
-from .names import index_file_name as index_file_name  # re-export: pipeline/job.py, tiers/convert.py import it here
 
 FORMAT_NAME = "tierstate"
 FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"

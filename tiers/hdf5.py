@@ -65,10 +65,6 @@ class Hdf5LayoutError(TierstateError, ValueError):
     """An item key or dtype that cannot become an HDF5 dataset; names the key."""
 
 
-def hdf5_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.h5"
-
-
 def dataset_dtype(name: str) -> tuple[np.dtype, bool]:
     """The dataset type for a torch dtype name, and whether it holds raw bytes of another type."""
     if name in _NATIVE:

@@ -23,16 +23,15 @@ from .format import (
     ManifestBody,
     alias_body,
     checksum,
-    data_file_name,
     index_bytes,
-    index_file_name,
     manifest_body,
     object_body,
     tensor_body,
     write_durably,
 )
 from .framefile import FrameFile
-from .hdf5 import Hdf5Container, hdf5_file_name
+from .hdf5 import Hdf5Container
+from .names import data_file_name, hdf5_file_name, index_file_name
 
 
 def data_file_path(directory: Path, rank: int, fmt: Format) -> Path:

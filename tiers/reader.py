@@ -23,7 +23,6 @@ from .multirank import rank_view
 from .objcodec import decode_object
 from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what load and read_items raise
 from .pieces import check_file_sizes, read_records
-from .pieces import read_pieces as read_pieces  # re-export: tiers/convert.py imports it from here
 from .reshard import Region, global_shape, read_regions
 
 
