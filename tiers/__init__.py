@@ -1,1 +1,1 @@
-"""Where bytes live: host cache, GPU side, filesystem tiers, on-disk format and migration."""
+"""Where bytes live: host cache, filesystem tiers, containers, the on-disk format, reading and migration."""
