@@ -29,7 +29,6 @@ from .names import data_file_name, data_file_rank, parse_rank_file
 FORMAT_NAME = "tierstate"
 FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"
 MANIFEST_NAME = "manifest.json"
-CODECS = ("none", "zstd")
 MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes before allocation
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
 
