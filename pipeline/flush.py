@@ -10,8 +10,8 @@ never hold up the next checkpoint's writes. After each commit and each flush, re
 checkpoint still due on a flush tier, so a pending or failed flush keeps its NVMe copy.
 
 A failed flush, like a failed checkpoint, never reaches the training loop: it is logged, recorded
-on the handle (``flush_errors``) and in ``failures``; ``drain`` (called by ``runner.close()``)
-waits for every flush and reports them all.
+on the handle (``flush_errors``, and its tier's future) and in ``failures``; ``drain`` (called by
+``runner.close()``) waits for every flush and reports them all.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..tiers.pacing import Pacer
 from ..tiers.policy import FlushPolicy
 from ..tiers.retention import TierPolicies, prune
 from .config import PipelineConfig
-from .handle import CheckpointHandle
+from .handle import HandleCompleter
 from .units import run_blocking
 
 log = logging.getLogger("tierstate")
@@ -86,13 +86,21 @@ class Flusher:
         """Per target tier, the most flushes that ran at once (never above its ``workers``)."""
         return {t.tier.name: t.peak for t in self._targets}
 
-    def committed(self, handle: CheckpointHandle) -> None:
-        """``handle``'s checkpoint just committed on the persist tier: start its flushes, then prune."""
+    def due(self, step: int) -> list[str]:
+        """The tiers this flusher will copy ``step`` to once it commits (none on a rank that does not commit)."""
+        return [target.tier.name for target in self._due_targets(step)]
+
+    def _due_targets(self, step: int) -> list[_Target]:
+        if not self._active:
+            return []
+        return [target for target in self._targets if target.policy.due(step)]
+
+    def committed(self, completer: HandleCompleter) -> None:
+        """``completer``'s checkpoint just committed on the persist tier: start its flushes, then prune."""
         if not self._active:
             return
-        for target in self._targets:
-            if target.policy.due(handle.step):
-                self._spawn(self._flush(handle, target))
+        for target in self._due_targets(completer.step):
+            self._spawn(self._flush(completer, target))
         if self._prunes:
             self._spawn(self._prune())
 
@@ -101,8 +109,8 @@ class Flusher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _flush(self, handle: CheckpointHandle, target: _Target) -> None:
-        step, name = handle.step, target.tier.name
+    async def _flush(self, completer: HandleCompleter, target: _Target) -> None:
+        step, name = completer.step, target.tier.name
         async with target.gate:
             target.active += 1
             target.peak = max(target.peak, target.active)
@@ -111,13 +119,13 @@ class Flusher:
                 report = await run_blocking(self._pool, copy, step, self._source, target.tier)
             except Exception as exc:  # reported, never raised into training
                 log.error("flush of step %d to tier %s failed: %s: %s", step, name, type(exc).__name__, exc)
-                handle._set_flush_failed(name, exc)
+                completer.flush_failed(name, exc)
                 self.failures.append(FlushFailure(step, name, exc))
                 return
             finally:
                 target.active -= 1
         log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
-        handle._set_persisted(name, report.path)
+        completer.persisted(name, report.path)
         if self._prunes:
             await self._prune()
 

@@ -4,19 +4,35 @@ It is the trainer's only view of a checkpoint in flight: whether its tensors are
 optimizer may step), on which tiers it is durable, how long it blocked training, and, if it
 failed, why. A failure is reported here and in the log; it is never raised into the training loop
 unless the trainer asks for ``result()``.
+
+The handle is a read side over ``concurrent.futures.Future`` s, as DCP's ``AsyncSaveResponse`` and
+TorchSnapshot's ``PendingSnapshot`` are: ``capture_future`` (the state may change from now on),
+``durable_future`` (committed on the persist tier; the handle's ``result()``) and one future per tier
+the checkpoint is due on (``tier_futures``: the persist tier, then the tiers a background flush copies
+it to). Futures compose with the rest of Python: ``add_done_callback``, ``concurrent.futures.wait``,
+``asyncio.wrap_future``. They are born running, so nobody outside can cancel them: a trainer that
+stops waiting (a cancelled ``await``) leaves the checkpoint going.
+
+Only :class:`HandleCompleter`, the write side the runner and its flusher hold, resolves them, on the
+runner's loop thread (or on the trainer's, for a checkpoint that never reached the loop).
 """
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 from tierstate.errors import TierstateError
 
+T = TypeVar("T")
+
 
 class CheckpointFailed(TierstateError, RuntimeError):
-    """Raised by ``result()`` for a checkpoint that failed or was skipped."""
+    """Raised by ``result()`` for a checkpoint that failed or was skipped; ``__cause__`` is why it failed."""
 
 
 @dataclass(frozen=True)
@@ -30,78 +46,183 @@ class CheckpointResult:
     durable_s: float
 
 
+def _running_future() -> concurrent.futures.Future[Any]:
+    """A future no waiter can cancel: cancel() refuses a running future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+def _succeeded(future: concurrent.futures.Future[Any]) -> bool:
+    return future.done() and future.exception() is None
+
+
 class CheckpointHandle:
-    def __init__(self, step: int) -> None:
+    """One checkpoint's progress; made by :class:`HandleCompleter`, never by the trainer."""
+
+    def __init__(
+        self,
+        step: int,
+        capture: concurrent.futures.Future[None],
+        durable: concurrent.futures.Future[CheckpointResult],
+        tiers: Mapping[str, concurrent.futures.Future[Path]],
+    ) -> None:
         self.step = step
         # Seconds the trainer spent in checkpoint() plus in the step pre-hook waiting for this capture.
         # Kept here, not in the result: the pre-hook may still add to it after the result exists.
         self.blocked_s = 0.0
         self.skipped = False
         self.error: BaseException | None = None
-        self._captured = threading.Event()
-        self._done = threading.Event()
-        self._tiers: dict[str, Path] = {}
-        self._result: CheckpointResult | None = None
         # Background flushes to slower tiers that failed (tier -> error); the checkpoint itself is fine.
         self.flush_errors: dict[str, BaseException] = {}
+        self._capture = capture
+        self._durable = durable
+        self._tiers = MappingProxyType(dict(tiers))
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else "failed" if self.error else "durable" if self._result else "in flight"
+        if self.skipped:
+            state = "skipped"
+        elif self.error is not None:
+            state = "failed"
+        else:
+            state = "durable" if self._durable.done() else "in flight"
         return f"<CheckpointHandle step={self.step} {state}>"
 
+    # --- the futures --------------------------------------------------------------------------
+    @property
+    def capture_future(self) -> concurrent.futures.Future[None]:
+        """Resolves (to None) once every tensor byte is copied out; fails with :class:`CheckpointFailed`
+        if the checkpoint failed or was skipped before that."""
+        return self._capture
+
+    @property
+    def durable_future(self) -> concurrent.futures.Future[CheckpointResult]:
+        """Resolves to the :class:`CheckpointResult` once committed on the persist tier; fails with
+        :class:`CheckpointFailed` if the checkpoint failed or was skipped."""
+        return self._durable
+
+    @property
+    def tier_futures(self) -> Mapping[str, concurrent.futures.Future[Path]]:
+        """Per tier this checkpoint is due on, the committed directory there. A flush that fails fails
+        its tier's future with the flush's error; a failed checkpoint fails them all."""
+        return self._tiers
+
+    # --- the trainer's questions ---------------------------------------------------------------
     @property
     def captured(self) -> bool:
         """True once every tensor byte has been copied out: the state may change from now on."""
-        return self._captured.is_set() and self.error is None
+        return _succeeded(self._capture) and self.error is None
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Block until capture finished (or the checkpoint failed); False on timeout."""
-        return self._captured.wait(timeout)
+        return _wait(self._capture, timeout)
 
     def persisted(self, tier: str | None = None) -> bool:
         """Whether the checkpoint is committed on ``tier`` (on any tier when None)."""
-        return bool(self._tiers) if tier is None else tier in self._tiers
+        if tier is None:
+            return any(_succeeded(future) for future in self._tiers.values())
+        future = self._tiers.get(tier)
+        return future is not None and _succeeded(future)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        """Durable, failed or skipped (background flushes may still run: see ``tier_futures``)."""
+        return self._durable.done()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until durable, failed or skipped; False on timeout. Never raises the failure."""
-        return self._done.wait(timeout)
+        return _wait(self._durable, timeout)
 
     def result(self, timeout: float | None = None) -> CheckpointResult:
-        if not self._done.wait(timeout):
+        """The result once durable; :class:`CheckpointFailed` if it failed or was skipped, TimeoutError
+        if it is still in flight after ``timeout`` seconds."""
+        self._finished_within(timeout)
+        return self._durable.result()
+
+    def exception(self, timeout: float | None = None) -> CheckpointFailed | None:
+        """What ``result()`` would raise (None for a durable checkpoint); TimeoutError as ``result()``."""
+        self._finished_within(timeout)
+        error = self._durable.exception()
+        assert error is None or isinstance(error, CheckpointFailed)
+        return error
+
+    def add_done_callback(self, fn: Callable[[CheckpointHandle], object]) -> None:
+        """Call ``fn(handle)`` once the checkpoint is durable, failed or skipped (at once if it is).
+
+        It runs on the runner's loop thread: keep it short and never block there (waiting on a
+        checkpoint, a flush or ``runner.close()`` would wait on the very thread that must finish them).
+        """
+        self._durable.add_done_callback(lambda _future: fn(self))
+
+    def _finished_within(self, timeout: float | None) -> None:
+        if not _wait(self._durable, timeout):
             raise TimeoutError(f"checkpoint step {self.step} not finished after {timeout} s")
-        if self.skipped:
-            raise CheckpointFailed(f"checkpoint step {self.step} was skipped: the previous one was still in flight")
-        if self.error is not None:
-            raise CheckpointFailed(f"checkpoint step {self.step} failed: {self.error}") from self.error
-        assert self._result is not None
-        return self._result
 
-    # Called by the runner, from its loop thread.
-    def _set_captured(self) -> None:
-        self._captured.set()
 
-    def _set_durable(self, result: CheckpointResult) -> None:
-        self._tiers[result.tier] = result.path
-        self._result = result
-        self._captured.set()
-        self._done.set()
+def _wait(future: concurrent.futures.Future[Any], timeout: float | None) -> bool:
+    done, _ = concurrent.futures.wait([future], timeout)
+    return bool(done)
 
-    def _set_persisted(self, tier: str, path: Path) -> None:
+
+class HandleCompleter:
+    """The write side of one :class:`CheckpointHandle`: what the runner and its flusher report through.
+
+    Each outcome resolves its futures once; the attributes a waiter reads (``error``, ``skipped``,
+    ``flush_errors``) are set before the future that wakes it.
+    """
+
+    def __init__(self, step: int, tiers: Iterable[str]) -> None:
+        """``tiers``: where the checkpoint is due, the persist tier first."""
+        self._capture: concurrent.futures.Future[None] = _running_future()
+        self._durable: concurrent.futures.Future[CheckpointResult] = _running_future()
+        self._tiers: dict[str, concurrent.futures.Future[Path]] = {name: _running_future() for name in tiers}
+        self.handle = CheckpointHandle(step, self._capture, self._durable, self._tiers)
+
+    @property
+    def step(self) -> int:
+        return self.handle.step
+
+    def blocked(self, seconds: float) -> None:
+        """The trainer spent ``seconds`` more on this checkpoint (in checkpoint() or the step pre-hook)."""
+        self.handle.blocked_s += seconds
+
+    def captured(self) -> None:
+        _settle(self._capture, None)
+
+    def durable(self, result: CheckpointResult) -> None:
+        """Committed on ``result.tier``, the persist tier."""
+        _settle(self._tiers[result.tier], result.path)
+        _settle(self._capture, None)
+        _settle(self._durable, result)
+
+    def persisted(self, tier: str, path: Path) -> None:
         """A background flush committed (and verified) a copy on ``tier``."""
-        self._tiers[tier] = path
+        _settle(self._tiers[tier], path)
 
-    def _set_flush_failed(self, tier: str, error: BaseException) -> None:
-        self.flush_errors[tier] = error
+    def flush_failed(self, tier: str, error: BaseException) -> None:
+        self.handle.flush_errors[tier] = error
+        _fail(self._tiers[tier], error)
 
-    def _set_failed(self, error: BaseException) -> None:
-        self.error = error
-        self._captured.set()
-        self._done.set()
+    def failed(self, error: BaseException) -> None:
+        self.handle.error = error
+        failure = CheckpointFailed(f"checkpoint step {self.step} failed: {error}")
+        failure.__cause__ = error
+        self._fail_all(failure)
 
-    def _set_skipped(self) -> None:
-        self.skipped = True
-        self._captured.set()
-        self._done.set()
+    def skipped(self) -> None:
+        self.handle.skipped = True
+        reason = f"checkpoint step {self.step} was skipped: the previous one was still in flight"
+        self._fail_all(CheckpointFailed(reason))
+
+    def _fail_all(self, failure: CheckpointFailed) -> None:
+        for future in (*self._tiers.values(), self._capture, self._durable):
+            _fail(future, failure)
+
+
+def _settle(future: concurrent.futures.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: concurrent.futures.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -6,12 +6,19 @@ snapshotted, tensors referenced) and hands the plan to the loop; the tensor copi
 the next forward/backward runs, and the optimizer step pre-hook installed by ``attach`` waits only
 if they are still pending. One checkpoint is in flight at a time; another request meanwhile
 follows ``policies.in_flight`` (wait or skip), so nothing queues without bound.
+
+A runner belongs to the process that made it. A forked child (a ``multiprocessing`` worker, a
+DataLoader worker) inherits a copy of it but none of its threads: in the child it is closed at
+once (``os.register_at_fork``), so the child neither drains it at exit nor waits on a loop that does
+not run there, and leaves the parent's checkpoint files alone; only the parent drains.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -22,6 +29,8 @@ from typing import Any
 
 import torch
 
+from tierstate.errors import TierstateError
+
 from ..providers.base import StateProvider
 from ..providers.composite import CompositeProvider
 from ..tiers.filesystem import FilesystemTier
@@ -31,12 +40,16 @@ from .config import PipelineConfig, load_config
 from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure
-from .handle import CheckpointHandle, CheckpointResult
+from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext, JobStats
 from .plan import plan_checkpoint
 from .restore import RestoreResult, restore_into
 
 log = logging.getLogger("tierstate")
+
+
+class RunnerClosedError(TierstateError, RuntimeError):
+    """A checkpoint was requested from a runner that is closed, or that a forked child inherited."""
 
 
 def _first_leaf(error: BaseException) -> BaseException:
@@ -54,10 +67,12 @@ class Runner:
         *,
         distributed: bool | None = None,
         group_timeout: float = 600.0,
+        history_size: int = 64,
     ) -> None:
         """``distributed``: None = across all ranks when torch.distributed runs on several (then every
         rank must build its runner at the same point); ``group_timeout``: seconds a checkpoint
-        collective waits for the slowest rank before the checkpoint fails."""
+        collective waits for the slowest rank before the checkpoint fails; ``history_size``: how many
+        of the latest checkpoints ``history`` keeps (a long run must not keep them all)."""
         self.config = config
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
         self.rank = self._group.rank if self._group is not None else rank or 0
@@ -79,10 +94,12 @@ class Runner:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierstate-loop", daemon=True)
         self._thread.start()
-        self._inflight: CheckpointHandle | None = None
+        self._inflight: HandleCompleter | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self.history: list[tuple[CheckpointHandle, JobStats]] = []
+        self._owner_pid = os.getpid()
+        # The latest checkpoints that reached the pipeline, oldest first, with their stage statistics.
+        self.history: collections.deque[tuple[CheckpointHandle, JobStats]] = collections.deque(maxlen=history_size)
         # Background flushes to slower tiers and retention (pipeline/flush.py); only the committing rank's.
         leader = self._group is None or self._group.is_leader
         self._flusher = Flusher(config, self.tiers, self._loop, active=leader)
@@ -91,6 +108,7 @@ class Runner:
         # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
         # hooks run earlier, newest first, so this one runs before the pools shut down.
         threading._register_atexit(_close_at_exit, weakref.ref(self))
+        _RUNNERS.add(self)
 
     @classmethod
     def from_yaml(
@@ -125,17 +143,18 @@ class Runner:
         """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O."""
         started = time.perf_counter()
         if self._closed:
-            raise RuntimeError("runner is closed")
-        handle = CheckpointHandle(step)
+            raise RunnerClosedError(self._closed_reason())
+        completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)])
+        handle = completer.handle
         with self._lock:
             previous = self._inflight
-            if previous is not None and not previous.done():
+            if previous is not None and not previous.handle.done():
                 if self.config.policies.in_flight == "skip":
-                    handle._set_skipped()
+                    completer.skipped()
                     log.warning("checkpoint step %d skipped: step %d still in flight", step, previous.step)
-                    handle.blocked_s = time.perf_counter() - started
+                    completer.blocked(time.perf_counter() - started)
                     return handle
-                previous.wait()
+                previous.handle.wait()
             declined = None
             try:
                 plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
@@ -143,42 +162,48 @@ class Runner:
             except Exception as exc:  # a provider bug must not stop training
                 log.error("checkpoint step %d failed while describing state: %s", step, exc)
                 if self._group is None:
-                    handle._set_failed(exc)
-                    handle.blocked_s = time.perf_counter() - started
+                    completer.failed(exc)
+                    completer.blocked(time.perf_counter() - started)
                     return handle
                 # The other ranks are opening this step: this one must take part, to decline it.
                 declined, plan, ready = exc, plan_checkpoint([], self.cache.slab_size), None
-            self._inflight = handle
+            self._inflight = completer
             many = self._group is not None
             slab = self.cache.slab_size
             commit = DistributedCommit(self._group, self.durable_tier, slab, declined) if many else None
             ctx = JobContext(
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )
-            job = CheckpointJob(ctx, step, plan, ready, lambda: handle._set_captured())
-            asyncio.run_coroutine_threadsafe(self._run(job, handle), self._loop)
-        handle.blocked_s = time.perf_counter() - started
+            job = CheckpointJob(ctx, step, plan, ready, completer.captured)
+            asyncio.run_coroutine_threadsafe(self._run(job, completer), self._loop)
+        completer.blocked(time.perf_counter() - started)
         return handle
 
     async def acheckpoint(self, step: int) -> CheckpointResult:
-        """For async trainers: request a checkpoint and await its durability without blocking the loop."""
-        handle = self.checkpoint(step)
-        await asyncio.get_running_loop().run_in_executor(None, handle.wait)
-        return handle.result()
+        """For async trainers: request a checkpoint and await its durability; raises CheckpointFailed.
 
-    async def _run(self, job: CheckpointJob, handle: CheckpointHandle) -> None:
+        No thread is held while it waits, and under ``in_flight: wait`` the previous checkpoint is
+        awaited here rather than waited for inside ``checkpoint()``, which would block the event loop.
+        """
+        if self.config.policies.in_flight == "wait":
+            while (previous := self._inflight) is not None and not previous.handle.done():
+                await _settled(previous.handle)
+        handle = self.checkpoint(step)
+        return await asyncio.wrap_future(handle.durable_future)
+
+    async def _run(self, job: CheckpointJob, completer: HandleCompleter) -> None:
         try:
             path = await job.run()
         except BaseException as exc:  # report, never raise into training
             error = _first_leaf(exc)
             log.error("checkpoint step %d failed: %s: %s", job.step, type(error).__name__, error)
-            handle._set_failed(error)
-            self.history.append((handle, job.stats))
+            self.history.append((completer.handle, job.stats))
+            completer.failed(error)
             if not isinstance(exc, Exception):
                 raise
             return
-        self.history.append((handle, job.stats))
-        handle._set_durable(
+        self.history.append((completer.handle, job.stats))
+        completer.durable(
             CheckpointResult(
                 step=job.step,
                 tier=self.durable_tier.name,
@@ -189,24 +214,24 @@ class Runner:
                 durable_s=job.stats.durable_s,
             )
         )
-        self._flusher.committed(handle)
+        self._flusher.committed(completer)
 
     def wait_captured(self) -> float:
         """Block until the pending checkpoint's tensors are copied out; returns the seconds blocked."""
-        handle = self._inflight
-        if handle is None or handle.wait_captured(0):
+        completer = self._inflight
+        if completer is None or completer.handle.wait_captured(0):
             return 0.0
         started = time.perf_counter()
-        handle.wait_captured()
+        completer.handle.wait_captured()
         blocked = time.perf_counter() - started
-        handle.blocked_s += blocked
+        completer.blocked(blocked)
         return blocked
 
     def wait(self) -> None:
         """Block until the checkpoint in flight (if any) is durable or failed."""
-        handle = self._inflight
-        if handle is not None:
-            handle.wait()
+        completer = self._inflight
+        if completer is not None:
+            completer.handle.wait()
 
     # --- restore ------------------------------------------------------------------------------
     def restore(self, which: int | str = "latest", fallback: bool = False) -> RestoreResult:
@@ -223,7 +248,9 @@ class Runner:
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         """Drain: the checkpoint in flight becomes durable or is reported failed, every background flush
-        finishes or is reported (``flush_failures``, and each handle's ``flush_errors``); then stop threads."""
+        finishes or is reported (``flush_failures``, and each handle's ``flush_errors``); then stop threads.
+
+        In a forked child it returns at once: the runner there is a copy, closed at the fork."""
         if self._closed:
             return
         self._closed = True
@@ -238,6 +265,19 @@ class Runner:
         if self._group is not None:
             self._group.close()
 
+    def _closed_reason(self) -> str:
+        if os.getpid() != self._owner_pid:
+            return (
+                f"runner of process {self._owner_pid} is closed in its forked child {os.getpid()}: "
+                "only the process that made a runner checkpoints through it"
+            )
+        return "runner is closed"
+
+    def _disown(self) -> None:
+        """In a forked child: the loop thread, the pools and the checkpoint in flight stayed with the parent."""
+        self._closed = True
+        self._inflight = None
+
     def __enter__(self) -> Runner:
         return self
 
@@ -247,6 +287,24 @@ class Runner:
     def steps(self) -> dict[str, list[int]]:
         """Committed steps per tier."""
         return {tier.name: tier.steps() for tier in self.tiers}
+
+
+async def _settled(handle: CheckpointHandle) -> None:
+    """Wait until ``handle`` is durable, failed or skipped, whichever; its outcome is its owner's to read."""
+    with contextlib.suppress(CheckpointFailed):
+        await asyncio.wrap_future(handle.durable_future)
+
+
+# Every live runner, so that a forked child can close its copies (see the module docstring).
+_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    for runner in list(_RUNNERS):
+        runner._disown()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
 
 
 def _close_at_exit(ref: weakref.ref[Runner]) -> None:

@@ -40,10 +40,15 @@ async def run_blocking(pool: concurrent.futures.Executor, fn: Callable[..., T], 
     """Run blocking work in ``pool``; if cancelled, still wait for the thread before unwinding.
 
     Returning early on cancel would let the caller release a slab that a thread is still writing.
+    The thread's own failure is then dropped, on purpose: the job is already failing for the error
+    that cancelled it (a failing disk fails every write in flight), and left unread it would be
+    printed as "Future exception was never retrieved" once per cancelled write.
     """
     future = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # read, so that asyncio does not report it as never retrieved
         raise

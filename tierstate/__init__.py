@@ -12,7 +12,7 @@ from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
 from tierstate.pipeline.distributed import CheckpointAborted
 from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
 from tierstate.pipeline.restore import NoCheckpointError, RestoreResult
-from tierstate.pipeline.runner import Runner
+from tierstate.pipeline.runner import Runner, RunnerClosedError
 from tierstate.providers import (
     ChildRestoreError,
     CompositeProvider,
@@ -70,6 +70,7 @@ __all__ = [
     "RestoreError",
     "RestoreResult",
     "Runner",
+    "RunnerClosedError",
     "ShardInfo",
     "StateProvider",
     "StatefulProvider",
