@@ -200,6 +200,9 @@ class PoliciesConfig(_Strict):
 
     in_flight: Literal["wait", "skip"] = "wait"
     allow_pickle: StrictBool = False
+    # Debugging aid, off by default (it hashes every lazily captured tensor twice on the trainer's
+    # side): fail a checkpoint whose lazily captured tensors changed between request and copy.
+    check_capture: StrictBool = False
 
 
 TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]*$")]

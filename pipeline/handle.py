@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 
 from tierstate.errors import TierstateError
 
+from .laziness import EagerSnapshot
+
 T = TypeVar("T")
 
 
@@ -75,6 +77,9 @@ class CheckpointHandle:
         self.error: BaseException | None = None
         # Background flushes to slower tiers that failed (tier -> error); the checkpoint itself is fine.
         self.flush_errors: dict[str, BaseException] = {}
+        # The tensors copied on the trainer's thread before checkpoint() returned (they may change at
+        # any time, pipeline/laziness.py); their cost is part of blocked_s.
+        self.snapshot = EagerSnapshot(0, 0, ())
         self._capture = capture
         self._durable = durable
         self._tiers = MappingProxyType(dict(tiers))
@@ -180,6 +185,10 @@ class HandleCompleter:
     @property
     def step(self) -> int:
         return self.handle.step
+
+    def snapshotted(self, snapshot: EagerSnapshot) -> None:
+        """What was copied on the trainer's thread before checkpoint() returned."""
+        self.handle.snapshot = snapshot
 
     def blocked(self, seconds: float) -> None:
         """The trainer spent ``seconds`` more on this checkpoint (in checkpoint() or the step pre-hook)."""

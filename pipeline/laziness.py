@@ -109,7 +109,7 @@ class CaptureRules:
                 continue
             if item.changes == "step":
                 uncovered.append(item.key)
-            item.tensor = item.tensor.detach().clone(memory_format=torch.contiguous_format)
+            item.tensor = _copy(item.tensor)
             count += 1
             nbytes += item.nbytes
         if uncovered and not self._warned:
@@ -121,6 +121,16 @@ class CaptureRules:
                 len(uncovered), uncovered[0],
             )
         return EagerSnapshot(count, nbytes, tuple(uncovered))
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy on the same device; by bytes for dtypes torch cannot copy elementwise (int1..7, bits)."""
+    source = tensor.detach()
+    if source.is_contiguous() and source.element_size() and source.dtype.itemsize == source.element_size():
+        copy = torch.empty_like(source, memory_format=torch.contiguous_format)
+        copy.reshape(-1).view(torch.uint8).copy_(source.reshape(-1).view(torch.uint8))
+        return copy
+    return source.clone(memory_format=torch.contiguous_format)
 
 
 def fingerprints(items: Iterable[TensorItem]) -> dict[str, int]:

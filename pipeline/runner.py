@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from tierstate.errors import TierstateError
 
 from ..providers.base import StateProvider
 from ..providers.composite import CompositeProvider
+from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.hostcache import HostCache
 from .capture import SlabCopier, record_ready_event
@@ -42,7 +43,8 @@ from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext, JobStats
-from .plan import plan_checkpoint
+from .laziness import CaptureRules, changed_keys, fingerprints, unwrap_optimizer
+from .plan import CheckpointPlan, plan_checkpoint
 from .restore import RestoreResult, restore_into
 
 log = logging.getLogger("tierstate")
@@ -50,6 +52,10 @@ log = logging.getLogger("tierstate")
 
 class RunnerClosedError(TierstateError, RuntimeError):
     """A checkpoint was requested from a runner that is closed, or that a forked child inherited."""
+
+
+class CaptureChangedError(TierstateError, RuntimeError):
+    """``policies.check_capture`` saw a lazily captured tensor change before its copy; names the keys."""
 
 
 def _first_leaf(error: BaseException) -> BaseException:
@@ -91,6 +97,7 @@ class Runner:
             config.chain()[-1][1].workers + 1, thread_name_prefix="tierstate-io"
         )
         self._copier = SlabCopier()
+        self._rules = CaptureRules()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierstate-loop", daemon=True)
         self._thread.start()
@@ -122,16 +129,30 @@ class Runner:
 
     # --- wiring -------------------------------------------------------------------------------
     def register(self, **providers: StateProvider) -> None:
+        """Add providers under their names; an :class:`OptimizerProvider` attaches its optimizer too."""
         for name, provider in providers.items():
             self.providers.add(name, provider)
+            if isinstance(provider, OptimizerProvider):
+                self.attach(provider.optimizer)
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Install the step pre-hook that keeps the optimizer from mutating tensors not yet captured."""
+    def attach(self, optimizer: torch.optim.Optimizer | Any) -> None:
+        """Install the step pre-hook that keeps ``optimizer`` from changing tensors not yet captured.
 
-        def before_step(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            self.wait_captured()
+        From then on its parameters and state are captured lazily, while training goes on (see
+        pipeline/laziness.py). Wrapped optimizers (accelerate's, Lightning's) are unwrapped; attaching
+        one optimizer twice installs one hook.
+        """
+        inner = unwrap_optimizer(optimizer)
+        if self._rules.attach(inner):
+            inner.register_step_pre_hook(self._before_step)
 
-        return optimizer.register_step_pre_hook(before_step)
+    @property
+    def attached(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers whose step pre-hook waits for a pending capture."""
+        return self._rules.optimizers
+
+    def _before_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self.wait_captured()
 
     @property
     def durable_tier(self) -> FilesystemTier:
@@ -158,6 +179,9 @@ class Runner:
             declined = None
             try:
                 plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
+                # Tensors that may change before their lazy copy are copied now (laziness.py).
+                completer.snapshotted(self._rules.snapshot_eager(plan.tensors))
+                on_captured = self._capture_check(plan, completer) if self.config.policies.check_capture else None
                 ready = record_ready_event([item.tensor for item in plan.tensors])
             except Exception as exc:  # a provider bug must not stop training
                 log.error("checkpoint step %d failed while describing state: %s", step, exc)
@@ -166,7 +190,7 @@ class Runner:
                     completer.blocked(time.perf_counter() - started)
                     return handle
                 # The other ranks are opening this step: this one must take part, to decline it.
-                declined, plan, ready = exc, plan_checkpoint([], self.cache.slab_size), None
+                declined, plan, ready, on_captured = exc, plan_checkpoint([], self.cache.slab_size), None, None
             self._inflight = completer
             many = self._group is not None
             slab = self.cache.slab_size
@@ -174,10 +198,30 @@ class Runner:
             ctx = JobContext(
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )
-            job = CheckpointJob(ctx, step, plan, ready, completer.captured)
+            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured)
             asyncio.run_coroutine_threadsafe(self._run(job, completer), self._loop)
         completer.blocked(time.perf_counter() - started)
         return handle
+
+    def _capture_check(self, plan: CheckpointPlan, completer: HandleCompleter) -> Callable[[], None]:
+        """``policies.check_capture``: hash the lazily captured tensors now, and again once they are all
+        copied but before the optimizer may step; a difference fails the checkpoint, naming the keys."""
+        covered = self._rules.covered()
+        lazy = [item for item in plan.tensors if self._rules.lazy(item, covered)]
+        before = fingerprints(lazy)
+
+        def check_then_release() -> None:
+            changed = changed_keys(before, lazy)
+            if changed:
+                shown = ", ".join(changed[:8]) + (" ..." if len(changed) > 8 else "")
+                raise CaptureChangedError(
+                    f"checkpoint step {completer.step}: {len(changed)} lazily captured tensor(s) changed between "
+                    f"the request and their copy: {shown}; declare them changes='any' or call "
+                    "runner.wait_captured() before changing them"
+                )
+            completer.captured()
+
+        return check_then_release
 
     async def acheckpoint(self, step: int) -> CheckpointResult:
         """For async trainers: request a checkpoint and await its durability; raises CheckpointFailed.

@@ -22,6 +22,8 @@ def make_runner(tmp_path: Path) -> Iterator[Callable[..., Runner]]:
     def make(yaml_path: Path = DEFAULT_YAML, **overrides: Any) -> Runner:
         settings = {
             "tiers": {"nvme": {"path": str(tmp_path / "nvme")}, "pfs": {"path": str(tmp_path / "pfs")}},
+            # Every test runner checks that lazily captured tensors did not change before their copy.
+            "policies.check_capture": True,
             **{key.replace("__", "."): value for key, value in overrides.items()},
         }
         runner = Runner.from_yaml(yaml_path, settings)

@@ -12,7 +12,7 @@ from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
 from tierstate.pipeline.distributed import CheckpointAborted
 from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
 from tierstate.pipeline.restore import NoCheckpointError, RestoreResult
-from tierstate.pipeline.runner import Runner, RunnerClosedError
+from tierstate.pipeline.runner import CaptureChangedError, Runner, RunnerClosedError
 from tierstate.providers import (
     ChildRestoreError,
     CompositeProvider,
@@ -45,6 +45,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 __all__ = [
+    "CaptureChangedError",
     "CheckpointAborted",
     "CheckpointExistsError",
     "CheckpointFailed",
