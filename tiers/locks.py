@@ -265,11 +265,13 @@ def claim_tier(root: Path) -> TierClaim:
     """Become the writer of tier directory ``root`` (or join this process's claim on it).
 
     InUseError naming the holder (host, pid) if another process writes it; OSError if the lock file
-    cannot be created (a read-only or missing tier) or is a symlink.
+    cannot be created or written (a read-only or missing tier) or is a symlink.
     """
     path = root / WRITER_LOCK_NAME
     for _ in range(_CREATE_ATTEMPTS):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        # Held read-only: an open writable file would keep the tier's file system from being remounted
+        # read-only, and flock needs no write access.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
         with _claims_guard:
@@ -280,17 +282,26 @@ def claim_tier(root: Path) -> TierClaim:
                 return TierClaim(shared)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _still_there(path, fd):
+                    _record_holder(path)
+                    shared = _claims[key] = _SharedClaim(HeldLock(fd), path, key)
+                    return TierClaim(shared)
             except BlockingIOError:
                 holder = Holder.parse(os.pread(fd, 4096, 0))
                 os.close(fd)
                 named = str(holder) if holder else "another process (it has not recorded its host and pid yet)"
                 raise InUseError(f"{root}: already written by {named}") from None
-            if not _still_there(path, fd):  # its last holder removed it while leaving: take the new one
+            except BaseException:
                 os.close(fd)
-                continue
-            record = json.dumps(asdict(Holder.me())).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record, 0)
-            shared = _claims[key] = _SharedClaim(HeldLock(fd), path, key)
-            return TierClaim(shared)
+                raise
+            os.close(fd)  # its last holder removed it while leaving: take the new one
     raise InUseError(f"{path}: removed by someone else each time it was locked ({_CREATE_ATTEMPTS} times)")
+
+
+def _record_holder(path: Path) -> None:
+    """Write who holds the lock into the lock file, for whoever is refused to name."""
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.write(fd, json.dumps(asdict(Holder.me())).encode())
+    finally:
+        os.close(fd)
