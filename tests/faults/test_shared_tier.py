@@ -1,5 +1,6 @@
 """Hostile neighbours on one tier: a second job pointed at the same directory, a garbage collector
-run in a loop beside a live trainer. Neither may make a checkpoint reported durable false.
+run in a loop beside a live trainer, symlinks planted in the tier. None may make a checkpoint
+reported durable false, or reach outside the tier.
 
 Both use real trainer processes (forked from faultkit's server) on real directories. The second
 job must be refused with an error naming the first job's host and pid; garbage collection must
@@ -9,14 +10,17 @@ durable must afterwards read back bit-exact.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing.connection
 import socket
 from pathlib import Path
 
 import pytest
 
-from faultkit import StepState, audit, make_runner, tally, tiers_of, train, trainer_context, write_steps
+from faultkit import StepState, audit, make_runner, tally, tiers_of, train, trainer, trainer_context, write_steps
 from tierstate.pipeline.runner import Runner
+from tierstate.tiers.filesystem import TierError
+from tierstate.tiers.locks import WRITER_LOCK_NAME
 from tierstate.tiers.retention import Leftover, collect_garbage
 
 pytestmark = pytest.mark.faults
@@ -136,3 +140,25 @@ def test_gc_in_a_loop_beside_a_live_trainer_destroys_nothing_durable(tmp_path: P
     found = audit(tmp_path)
     assert found.losses == [] and found.partials == [] and found.steps == durable
     tally("gc_beside_trainer", rounds=len(rounds), checkpoints=len(durable), losses=len(found.losses))
+
+
+def test_symlinks_planted_in_a_tier_are_never_followed(tmp_path: Path) -> None:
+    """A lock file or a partial that is a symlink elsewhere: refused or left alone, its target untouched."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("keep me")
+    nvme = tiers_of(tmp_path)[0]
+    nvme.root.mkdir()
+    (nvme.root / WRITER_LOCK_NAME).symlink_to(elsewhere / "precious")
+    (nvme.root / "step-9.partial").symlink_to(elsewhere)
+    with trainer(tmp_path) as (runner, state):
+        state.advance(1)
+        handle = runner.checkpoint(1)
+        handle.wait()
+    assert isinstance(handle.error, TierError) and handle.error.errno == errno.ELOOP, handle.error
+    assert WRITER_LOCK_NAME in str(handle.error)
+    found = collect_garbage([nvme], older_than=0)
+    assert [(f.path.name, f.removed) for f in found] == [("step-9.partial", False)]
+    assert found[0].reason.startswith("cannot remove")  # opened without following: ENOTDIR
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["precious"]
+    assert (elsewhere / "precious").read_text() == "keep me"
