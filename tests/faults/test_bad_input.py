@@ -343,31 +343,32 @@ def attempt(name, decode):
     except ObjectCodecError as exc:
         print(name, "refused:", exc)
 
-forged = bytes.fromhex(sys.argv[1])
-attempt("bytes", lambda: decode_object(forged))
-attempt("checkpoint", lambda: load(sys.argv[2]))
-threading.stack_size(1 << 20)  # a worker thread's stack may be small: 100 levels must still fit
-worker = threading.Thread(target=attempt, args=("thread", lambda: decode_object(forged)))
-worker.start()
-worker.join()
+attempt("checkpoint", lambda: load(sys.argv[1]))
+threading.stack_size(1 << 20)  # a worker thread's stack may be small: MAX_DEPTH levels must still fit
+for forged in map(bytes.fromhex, sys.argv[2:]):
+    attempt(f"{len(forged)}-bytes", lambda: decode_object(forged))
+    worker = threading.Thread(target=attempt, args=(f"{len(forged)}-bytes-in-a-thread", lambda: decode_object(forged)))
+    worker.start()
+    worker.join()
 """
 
 
-@pytest.mark.parametrize("depth", [200, MAX_DEPTH + 1])
-def test_a_forged_deep_object_is_our_error_not_a_crash(tmp_path: Path, depth: int) -> None:
-    """In a child process, so that a segfault is a failed test instead of the end of the run."""
-    forged = _forged_tuples(depth)
+def test_forged_deep_objects_are_our_error_not_a_crash(tmp_path: Path) -> None:
+    """In a child process, so that a segfault is a failed test instead of the end of the run. The
+    714-byte forgery (200 tuples deep) killed every restore of the checkpoint it was planted in."""
+    forgeries = [_forged_tuples(200), _forged_tuples(MAX_DEPTH + 1), _forged_msgpack(["list", "tuple"] * 200)]
+    assert len(forgeries[0]) == 714
     write_steps(tmp_path, [1])
     path = tmp_path / "nvme" / "step-1"
-    _plant(path, forged)
+    _plant(path, forgeries[0])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     child = subprocess.run(
-        [sys.executable, "-c", DECODE_IN_A_CHILD, forged.hex(), str(path)],
+        [sys.executable, "-c", DECODE_IN_A_CHILD, str(path), *(forged.hex() for forged in forgeries)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert child.returncode == 0, f"decoding {len(forged)} forged bytes killed the process ({child.returncode})"
+    assert child.returncode == 0, f"decoding forged bytes killed the process ({child.returncode}): {child.stdout}"
     lines = child.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["bytes", "checkpoint", "thread"], child.stderr
+    assert len(lines) == 1 + 2 * len(forgeries), child.stderr
     assert all(f"refused: msgpack data nests tuples deeper than {MAX_DEPTH}" in line for line in lines), lines
 
 
