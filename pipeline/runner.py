@@ -306,6 +306,7 @@ class Runner:
         self._compute.shutdown()
         self._io.shutdown()
         self._flusher.close()
+        self.durable_tier.release()  # another job may write the tier now
         if self._group is not None:
             self._group.close()
 

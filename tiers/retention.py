@@ -17,7 +17,8 @@ delete anything.
 Deletion is crash safe: under an exclusive lock the directory is first unpublished by a rename to
 ``step-N.deleting`` (fsync'd, so it is no longer listed or restorable), then removed. A crash in
 between leaves a ``.deleting`` directory, which :func:`collect_garbage` removes, as it removes
-``.partial`` directories older than a bound (a crashed write or an abandoned migration).
+``.partial`` directories older than a bound (a crashed write or an abandoned migration). A live
+writer's partial is locked by its writer (see :mod:`tiers.locks`), and garbage collection keeps it.
 """
 
 from __future__ import annotations
@@ -139,10 +140,11 @@ class Leftover:
 
 def leftovers(tier: FilesystemTier) -> list[Path]:
     """Directories of ``tier`` that are not (or no longer) checkpoints: partial writes, half deletions."""
-    if not tier.root.is_dir():
-        return []
     suffixes = (PARTIAL_SUFFIX, DELETING_SUFFIX)
-    return sorted(p for p in tier.root.iterdir() if p.name.endswith(suffixes) and p.is_dir())
+    try:
+        return sorted(p for p in tier.root.iterdir() if p.name.endswith(suffixes) and p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def age_of(path: Path, now: float | None = None) -> float:
@@ -156,27 +158,39 @@ def age_of(path: Path, now: float | None = None) -> float:
 def collect_garbage(tiers: Sequence[FilesystemTier], older_than: float, dry_run: bool = False) -> list[Leftover]:
     """Remove ``.deleting`` leftovers, and ``.partial`` ones untouched for ``older_than`` seconds.
 
-    A leftover someone holds locked (a migration in progress) is kept, whatever its age.
+    A leftover someone holds locked (a live runner's partial, a migration in progress) is kept,
+    whatever its age. Tiers change while this runs (a trainer commits, a deletion finishes): a
+    leftover that is gone by the time it is looked at is skipped, and one that cannot be removed
+    is reported with the reason; neither is raised.
     """
     found: list[Leftover] = []
     for tier in tiers:
         for path in leftovers(tier):
-            kind = "deleting" if path.name.endswith(DELETING_SUFFIX) else "partial"
-            try:
-                age = age_of(path)
-            except FileNotFoundError:
-                continue  # removed meanwhile by whoever owned it
-            if kind == "partial" and age < older_than:
-                found.append(Leftover(tier.name, path, kind, age, False, f"younger than {older_than:g} s"))
-                continue
-            try:
-                with exclusive(path):
-                    if not dry_run:
-                        shutil.rmtree(path)
-            except InUseError:
-                found.append(Leftover(tier.name, path, kind, age, False, "in use"))
-                continue
-            except FileNotFoundError:
-                continue
-            found.append(Leftover(tier.name, path, kind, age, not dry_run, "dry run" if dry_run else "removed"))
+            outcome = _collect(tier, path, older_than, dry_run)
+            if outcome is not None:
+                found.append(outcome)
     return found
+
+
+def _collect(tier: FilesystemTier, path: Path, older_than: float, dry_run: bool) -> Leftover | None:
+    """Remove one leftover if it is due and nobody holds it; None if it disappeared meanwhile."""
+    kind = "deleting" if path.name.endswith(DELETING_SUFFIX) else "partial"
+    try:
+        age = age_of(path)
+    except FileNotFoundError:
+        return None  # removed meanwhile by whoever owned it
+    except OSError as exc:
+        return Leftover(tier.name, path, kind, 0.0, False, f"cannot inspect: {exc}")
+    if kind == "partial" and age < older_than:
+        return Leftover(tier.name, path, kind, age, False, f"younger than {older_than:g} s")
+    try:
+        with exclusive(path):  # verified to still be this leftover, not what a commit renamed it to
+            if not dry_run:
+                shutil.rmtree(path)
+    except InUseError:
+        return Leftover(tier.name, path, kind, age, False, "in use")
+    except FileNotFoundError:
+        return None  # committed (renamed) or removed by its owner meanwhile
+    except OSError as exc:
+        return Leftover(tier.name, path, kind, age, False, f"cannot remove: {exc}")
+    return Leftover(tier.name, path, kind, age, not dry_run, "dry run" if dry_run else "removed")

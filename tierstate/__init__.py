@@ -31,7 +31,7 @@ from tierstate.providers import (
 from tierstate.tiers.codecs import CodecError
 from tierstate.tiers.commands import UsageError
 from tierstate.tiers.dtypes import UnknownDtypeError
-from tierstate.tiers.filesystem import CheckpointExistsError, TierError
+from tierstate.tiers.filesystem import CheckpointExistsError, TierError, TierInUseError
 from tierstate.tiers.format import ManifestError, read_manifest
 from tierstate.tiers.hdf5 import Hdf5LayoutError
 from tierstate.tiers.locks import InUseError
@@ -78,6 +78,7 @@ __all__ = [
     "TensorDictProvider",
     "TensorItem",
     "TierError",
+    "TierInUseError",
     "TierstateError",
     "UnknownDtypeError",
     "UsageError",

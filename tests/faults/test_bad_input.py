@@ -14,8 +14,10 @@ import copy
 import json
 import os
 import pickle
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from faultkit import DEFAULT_YAML, make_runner, scaled, tally, write_steps
+from faultkit import DEFAULT_YAML, REPO, make_runner, scaled, tally, write_steps
 from tierstate.pipeline import cli
 from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.handle import CheckpointFailed
@@ -40,7 +42,7 @@ from tierstate.tiers.format import (
     parse_index,
     parse_manifest,
 )
-from tierstate.tiers.objcodec import ObjectCodecError, decode_object
+from tierstate.tiers.objcodec import MAX_DEPTH, ObjectCodecError, decode_object, encode_object
 from tierstate.tiers.reader import CorruptCheckpointError, load, read_items
 
 pytestmark = pytest.mark.faults
@@ -280,6 +282,96 @@ def test_pickle_needs_permission_to_be_written_too(tmp_path: Path) -> None:
     runner.close()
 
 
+# --- deep objects ------------------------------------------------------------------------------
+
+KINDS = ("list", "map", "tuple")
+
+
+def _nested(levels: Sequence[str], leaf: Any = 0) -> Any:
+    """An object nesting one container per entry of ``levels``, outermost first."""
+    value = leaf
+    for kind in reversed(levels):
+        value = [value] if kind == "list" else {"k": value} if kind == "map" else (value,)
+    return value
+
+
+def _forged_msgpack(levels: Sequence[str]) -> bytes:
+    """msgpack bytes nesting as ``levels`` say, made without our encoder (tuples as extension 1)."""
+    data = msgpack.packb(0)
+    for kind in reversed(levels):
+        if kind == "list":
+            data = b"\x91" + data  # an array of one element
+        elif kind == "map":
+            data = b"\x81\xa1k" + data  # a map of one entry, key "k"
+        else:
+            data = msgpack.packb(msgpack.ExtType(1, b"\x91" + data))
+    return data
+
+
+def _forged_tuples(depth: int) -> bytes:
+    """Tuples, each directly the data of the one around it: 200 deep is 714 bytes."""
+    data = msgpack.packb(0)
+    for _ in range(depth):
+        data = msgpack.packb(msgpack.ExtType(1, data))
+    return data
+
+
+def test_a_too_deep_object_fails_its_checkpoint_and_training_goes_on(tmp_path: Path) -> None:
+    """Before the bound, this checkpointed as durable and every restore died with SIGSEGV."""
+    values: dict[str, Any] = {"deep": _nested(["tuple"] * 250)}
+    runner = make_runner(tmp_path)
+    runner.register(meta=ObjectProvider(lambda: values))
+    with pytest.raises(CheckpointFailed, match=rf"item 'meta/value'.*deeper than {MAX_DEPTH} levels"):
+        runner.checkpoint(1).result()
+    values["deep"] = _nested((["tuple", "list", "map"] * MAX_DEPTH)[: MAX_DEPTH - 1])  # MAX_DEPTH in all
+    path = runner.checkpoint(2).result().path
+    runner.close()
+    assert load(path)["meta/value"] == values
+    with pytest.raises(ObjectCodecError, match="deeper than"):  # a deep tuple as a map key is as deep
+        encode_object({_nested(["tuple"] * MAX_DEPTH): 1})
+
+
+DECODE_IN_A_CHILD = """
+import sys, threading
+from tierstate.tiers.objcodec import ObjectCodecError, decode_object
+from tierstate.tiers.reader import load
+
+def attempt(name, decode):
+    try:
+        decode()
+        print(name, "decoded")
+    except ObjectCodecError as exc:
+        print(name, "refused:", exc)
+
+attempt("checkpoint", lambda: load(sys.argv[1]))
+threading.stack_size(1 << 20)  # a worker thread's stack may be small: MAX_DEPTH levels must still fit
+for forged in map(bytes.fromhex, sys.argv[2:]):
+    attempt(f"{len(forged)}-bytes", lambda: decode_object(forged))
+    worker = threading.Thread(target=attempt, args=(f"{len(forged)}-bytes-in-a-thread", lambda: decode_object(forged)))
+    worker.start()
+    worker.join()
+"""
+
+
+def test_forged_deep_objects_are_our_error_not_a_crash(tmp_path: Path) -> None:
+    """In a child process, so that a segfault is a failed test instead of the end of the run. The
+    714-byte forgery (200 tuples deep) killed every restore of the checkpoint it was planted in."""
+    forgeries = [_forged_tuples(200), _forged_tuples(MAX_DEPTH + 1), _forged_msgpack(["list", "tuple"] * 200)]
+    assert len(forgeries[0]) == 714
+    write_steps(tmp_path, [1])
+    path = tmp_path / "nvme" / "step-1"
+    _plant(path, forgeries[0])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run(
+        [sys.executable, "-c", DECODE_IN_A_CHILD, str(path), *(forged.hex() for forged in forgeries)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == 0, f"decoding forged bytes killed the process ({child.returncode}): {child.stdout}"
+    lines = child.stdout.splitlines()
+    assert len(lines) == 1 + 2 * len(forgeries), child.stderr
+    assert all(f"refused: msgpack data nests tuples deeper than {MAX_DEPTH}" in line for line in lines), lines
+
+
 # --- fuzzing ------------------------------------------------------------------------------------
 
 SCALARS = (
@@ -387,13 +479,81 @@ def test_fuzz_frame_decoding(raw: bytes, length: int, width: int) -> None:
     assert len(out) == length
 
 
+OBJECT_KIB = 64  # the largest object the object fuzzers build or edit
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=1024)
+    | st.binary(max_size=4096)
+)
+OBJECTS = st.recursive(
+    LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.text(max_size=8) | st.integers(-(2**63), 2**63 - 1), inner, max_size=4)
+    ),
+    max_leaves=16,
+)
+
+
 @settings(FUZZ, max_examples=scaled(500))
-@given(raw=st.binary(max_size=256), serializer=st.sampled_from(["msgpack", "json", "pickle"]))
+@given(raw=st.binary(max_size=OBJECT_KIB * 1024), serializer=st.sampled_from(["msgpack", "json", "pickle"]))
 def test_fuzz_object_decoding(raw: bytes, serializer: str) -> None:
     try:
         decode_object(raw, serializer, allow_pickle=False)
     except ObjectCodecError:
         return
+
+
+@settings(FUZZ, max_examples=scaled(500))
+@given(value=OBJECTS, data=st.data())
+def test_fuzz_objects_round_trip_and_edits_are_refused(value: Any, data: st.DataObject) -> None:
+    """Objects up to 64 KiB encode deterministically and decode to what re-encodes the same bytes
+    (NaN included); random edits of their bytes give back a value or our error."""
+    encoded = encode_object(value)
+    assert len(encoded) <= OBJECT_KIB * 1024 + 1024
+    assert encode_object(decode_object(encoded)) == encoded
+    edited = bytearray(encoded)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(edited)))
+        action = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if action == "flip" and at < len(edited):
+            edited[at] ^= data.draw(st.integers(1, 255))
+        elif action == "cut":
+            del edited[at:]
+        else:
+            edited[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        decode_object(bytes(edited))
+    except ObjectCodecError:
+        pass
+
+
+@settings(FUZZ, max_examples=scaled(300))
+@given(pattern=st.lists(st.sampled_from(KINDS), min_size=1, max_size=6), depth=st.integers(0, 3 * MAX_DEPTH))
+def test_fuzz_nesting(pattern: list[str], depth: int) -> None:
+    """Nesting of lists, maps and tuples up to three times the bound, built and forged: encoding and
+    decoding both take exactly MAX_DEPTH levels, and refuse one more with our error."""
+    levels = (pattern * depth)[:depth]
+    value = _nested(levels)
+    fits = depth <= MAX_DEPTH
+    forgeries = {"msgpack": _forged_msgpack(levels), "json": json.dumps(value, separators=(",", ":")).encode()}
+    for serializer, forged in forgeries.items():
+        try:
+            encoded = encode_object(value, serializer)
+            assert fits, f"{serializer} encoded {depth} levels"
+            assert encoded == forged
+        except ObjectCodecError as exc:
+            assert not fits and "deeper than" in str(exc)
+        try:
+            decoded = decode_object(forged, serializer)
+            assert fits, f"{serializer} decoded {depth} levels"
+            assert decoded == (value if serializer == "msgpack" else json.loads(forged))
+        except ObjectCodecError as exc:
+            assert not fits and "deeper than" in str(exc), exc
 
 
 BASE_CONFIG = yaml.safe_load(DEFAULT_YAML.read_text())
@@ -416,7 +576,7 @@ def test_fuzz_config(data: st.DataObject) -> None:
 
 
 def test_fuzz_counts_are_recorded() -> None:
-    fuzzed = scaled(1000) + scaled(1500) + scaled(1000) + scaled(500) * 3
+    fuzzed = scaled(1000) + scaled(1500) + scaled(1000) + scaled(500) * 4 + scaled(300)
     tally("fuzz", inputs=fuzzed, losses=0)
 
 
