@@ -84,6 +84,15 @@ def _target_box(key: str, record: Any, live: TensorItem | None) -> Box:
     return Box(tuple(live.shard.offsets), tuple(live.tensor.shape))
 
 
+def _live_layouts(provider: CompositeProvider, view: Manifest, keys: list[str]) -> dict[str, TensorItem]:
+    """How this rank holds the saved tensors: as the live state describes them, else as the providers
+    expect to (state that does not exist yet, such as a fresh optimizer's); a tensor absent is held whole."""
+    live = {item.key: item for item in provider.describe() if isinstance(item, TensorItem)}
+    stored = {stored_key(k, view.items[k]) for k in keys} - set(live)
+    unknown = {k: global_shape(view.items[k]) for k in stored if not isinstance(view.items[k], ObjectRecord)}
+    return live | provider.restore_targets(unknown)
+
+
 class _CollectiveRead:
     """Reads one copy on every rank at once (a :data:`pipeline.restore.CopyReader`)."""
 
@@ -116,7 +125,7 @@ class _CollectiveRead:
     def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
         """This rank's view, its tensor regions by stored key, and the shareable ones (see :data:`Offer`)."""
         view = rank_view(manifest, self.group.rank, keys)
-        live = {item.key: item for item in self.provider.describe() if isinstance(item, TensorItem)}
+        live = _live_layouts(self.provider, view, keys)
         regions: dict[str, Region] = {}
         for key in sorted({stored_key(k, view.items[k]) for k in keys}):
             record = view.items[key]

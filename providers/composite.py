@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .base import ReadState, RestoreError, StateProvider, fresh_keys
-from .items import Item
+from .items import Item, TensorItem
 
 
 class ChildRestoreError(RestoreError):
@@ -60,6 +60,17 @@ class CompositeProvider:
             for name, child in self._children.items()
             for item in child.describe()
         ]
+
+    def restore_targets(self, global_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorItem]:
+        """The layouts children expect for saved tensors their live state does not describe yet, keyed like
+        :meth:`describe`: from each child that has a ``restore_targets`` (see ``OptimizerProvider``)."""
+        targets: dict[str, TensorItem] = {}
+        for name, child in self._children.items():
+            expect = getattr(child, "restore_targets", None)
+            if expect is not None:
+                mine = sub_state(global_shapes, name)
+                targets |= {f"{name}/{k}": dataclasses.replace(t, key=f"{name}/{k}") for k, t in expect(mine).items()}
+        return targets
 
     def restore(self, state: Mapping[str, Any]) -> None:
         for name, child in self._children.items():

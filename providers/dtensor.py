@@ -5,6 +5,10 @@ local tensor with a :class:`ShardInfo` placing it in the global tensor, marked r
 mesh dimension replicates it (several ranks hold the same piece, one copy is enough). On restore
 the local values are wrapped back into a DTensor of the live tensor's layout, because
 ``load_state_dict`` cannot copy a plain tensor into a DTensor parameter.
+
+State that does not exist yet has no live tensor to describe: a fresh optimizer has no state
+before its first step. Its state shaped like a DTensor parameter will be laid out like that
+parameter, so :func:`layout_target` stands in for it on restore, holding no memory.
 """
 
 from __future__ import annotations
@@ -31,6 +35,23 @@ def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False, change
     """The item of ``tensor``; ``replicated`` applies to plain tensors, a DTensor's layout decides its own."""
     if not is_dtensor(tensor):
         return TensorItem(key, tensor, replicated=replicated, changes=changes)
+    shard, copies = _layout(key, tensor)
+    return TensorItem(key, tensor.to_local(), shard=shard, replicated=copies, changes=changes)
+
+
+def layout_target(key: str, like: Any) -> TensorItem:
+    """An item for a tensor that does not exist yet but will be laid out like the DTensor ``like``.
+
+    Its tensor is on the meta device (no memory), with the local shape this rank will hold; its
+    shard places that part in the global tensor, which is all a restore needs to read just it.
+    """
+    shard, copies = _layout(key, like)
+    part = torch.empty(like.to_local().shape, dtype=like.dtype, device="meta")
+    return TensorItem(key, part, shard=shard, replicated=copies)
+
+
+def _layout(key: str, tensor: Any) -> tuple[ShardInfo | None, bool]:
+    """Where the DTensor ``tensor``'s local part sits (None: it is whole), and whether other ranks hold copies."""
     placements = tensor.placements
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(
@@ -43,8 +64,7 @@ def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False, change
     _, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     sharded = any(isinstance(p, Shard) for p in placements)
     copies = any(isinstance(p, Replicate) and mesh.size(dim) > 1 for dim, p in enumerate(placements))
-    shard = ShardInfo(tuple(tensor.shape), tuple(offsets)) if sharded else None
-    return TensorItem(key, tensor.to_local(), shard=shard, replicated=copies, changes=changes)
+    return (ShardInfo(tuple(tensor.shape), tuple(offsets)) if sharded else None), copies
 
 
 def like_live(live: Any, value: Any) -> Any:

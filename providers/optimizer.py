@@ -7,9 +7,13 @@ from typing import Any
 
 import torch
 
-from .base import fresh_keys
+from .base import ReadState, RestoreError, fresh_keys
+from .dtensor import is_dtensor, layout_target, like_live
 from .items import Item, Serializer, TensorItem
 from .stateful import StatefulProvider
+
+STEP = "step"
+"""The state name torch keeps as it is given (a plain scalar tensor), whatever the parameter's layout."""
 
 
 class OptimizerProvider(StatefulProvider):
@@ -19,6 +23,13 @@ class OptimizerProvider(StatefulProvider):
     (always for ``step``), so the optimizer would share memory with buffers the pipeline may reuse.
     After loading, every optimizer tensor that aliases an input is replaced by its own copy, unless the
     input is fresh (see :class:`~providers.base.ReadState`: just read, referenced by nothing else).
+
+    State of a DTensor parameter (FSDP2, tensor parallel) shaped like it (``exp_avg``, ``exp_avg_sq``,
+    ``momentum_buffer``) is a DTensor laid out like it, each rank holding its part; ``step`` stays a
+    plain tensor. A fresh optimizer holds no state before its first step, so :meth:`restore_targets`
+    tells a restore on many ranks which part of each such tensor this rank will hold, and
+    :meth:`restore` hands ``load_state_dict`` DTensors: plain tensors would make ``step()`` fail
+    (``got mixed torch.Tensor and DTensor``) and hold the whole state on every rank.
     """
 
     def __init__(
@@ -29,6 +40,7 @@ class OptimizerProvider(StatefulProvider):
         super().__init__(optimizer, serializer, replicated)
         self.optimizer = optimizer
         self._live: dict[tuple[int, str], torch.Tensor] = {}
+        self._targeted: frozenset[str] = frozenset()  # keys for which the restore reads only this rank's part
 
     def describe(self) -> list[Item]:
         """Its tensors change only in ``optimizer.step()``: lazy once this optimizer is attached."""
@@ -37,6 +49,22 @@ class OptimizerProvider(StatefulProvider):
             if isinstance(item, TensorItem):
                 item.changes = "step"
         return items
+
+    def restore_targets(self, global_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorItem]:
+        """Layouts for saved state the live optimizer does not hold yet, keyed like :meth:`describe`.
+
+        ``global_shapes`` gives the global shape of each saved tensor the live state does not
+        describe. Those of a DTensor parameter's state shaped like the parameter get its layout;
+        the next :meth:`restore` then expects this rank's part of them, and the whole of the others.
+        """
+        targets = {}
+        params = self._params()
+        for key, shape in global_shapes.items():
+            param = _sharded_param(key, params)
+            if param is not None and tuple(param.shape) == tuple(shape):
+                targets[key] = layout_target(key, param)
+        self._targeted = frozenset(targets)
+        return targets
 
     def restore(self, state: Mapping[str, Any]) -> None:
         # The optimizer's tensors before loading: where one matches a loaded value, the value is copied
@@ -49,25 +77,77 @@ class OptimizerProvider(StatefulProvider):
             if isinstance(value, torch.Tensor)
         }
         try:
-            super().restore(state)
+            super().restore(self._laid_out(state))
         finally:
-            self._live = {}
+            self._live, self._targeted = {}, frozenset()
+
+    def _laid_out(self, state: Mapping[str, Any]) -> ReadState:
+        """``state`` with the values of DTensor parameters' state wrapped as DTensors (their local memory kept).
+
+        A value is this rank's part where the reader was told so: by the live state's item (a DTensor,
+        described) or by :meth:`restore_targets`. Any other value was read whole; one shaped like its
+        DTensor parameter is that parameter's state, which is this rank's part only where one rank
+        holds all of it (one process restoring).
+        """
+        values = dict(state)
+        params = self._params()
+        for key, value in state.items():
+            param = _sharded_param(key, params)
+            if param is None or not isinstance(value, torch.Tensor) or is_dtensor(value):
+                continue
+            live = self._live.get((id(param), key.rsplit("/", 1)[1]))
+            if is_dtensor(live):
+                values[key] = _as_part_of(key, live, value)
+            elif key in self._targeted or tuple(value.shape) == tuple(param.shape):
+                values[key] = _as_part_of(key, param, value)
+        return ReadState(values, fresh_keys(state))
+
+    def _params(self) -> list[torch.Tensor]:
+        """The parameters in the order of their indices in ``state_dict()``."""
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
 
     def _after_load(self, state: Mapping[str, Any]) -> None:
-        inputs = {v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
+        inputs = {_local(v).untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
         fresh = {id(state[key]) for key in fresh_keys(state)}  # state holds them, so their ids stay theirs
         live = self._live
         for param, param_state in self.optimizer.state.items():
             for name, value in list(param_state.items()):
                 if id(value) in fresh:
                     continue  # the restore's own fresh memory: the optimizer may simply keep it
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in inputs:
+                if isinstance(value, torch.Tensor) and _local(value).untyped_storage().data_ptr() in inputs:
                     old = live.get((id(param), name))
                     if (
                         old is not None
-                        and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device)
-                        and old.untyped_storage().data_ptr() not in inputs
+                        and (type(old), old.shape, old.dtype, old.device)
+                        == (type(value), value.shape, value.dtype, value.device)
+                        and _local(old).untyped_storage().data_ptr() not in inputs
                     ):
                         param_state[name] = old.copy_(value)
                     else:
                         param_state[name] = value.clone()
+
+
+def _sharded_param(key: str, params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The DTensor parameter whose state ``key`` (``state/<param index>/<name>``) is, unless it is ``step``."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or parts[2] == STEP:
+        return None
+    index = int(parts[1])
+    return params[index] if index < len(params) and is_dtensor(params[index]) else None
+
+
+def _as_part_of(key: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as this rank's part of a DTensor laid out like ``like``; refused if it is not that part's shape
+    (the whole tensor read by a process that holds only a part of it), since it would claim the wrong elements."""
+    part = like.to_local().shape
+    if value.shape != part:
+        raise RestoreError(
+            f"optimizer state {key!r}: this rank holds a part of shape {list(part)} of a DTensor of global shape "
+            f"{list(like.shape)}, the value read back has shape {list(value.shape)}"
+        )
+    return like_live(like, value)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the memory: a DTensor's local part (a DTensor has no storage of its own)."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
