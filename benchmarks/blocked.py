@@ -19,6 +19,10 @@ outside the timed runs (DCP's stager allocates its staging copy then; tierstate 
     python benchmarks/blocked.py                 # full size, ~7 min
     python benchmarks/blocked.py --methods none,tierstate --steps 30 --every 10 --tag every10   # interval 10
     python benchmarks/blocked.py --preset small --steps 6 --every 2 --repeats 1   # smoke test
+    python benchmarks/blocked.py --model bn --methods none,tierstate,torch.save   # BatchNorm net
+
+``--model bn`` trains a convolutional net with BatchNorm instead (harness/bn_state.py): its running
+statistics change in every forward, so tierstate copies them before ``checkpoint()`` returns.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import sys
 
 import torch
 from harness.blocked_table import blocked_report
+from harness.bn_state import build_bn_net
 from harness.cli import parser
 from harness.competitors import CUDA
 from harness.gpt_state import build_gpt
@@ -50,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--every", type=int, default=5, help="checkpoint after every N-th step")
     cli.add_argument("--batch-size", type=int, default=4)
     cli.add_argument("--threads", type=int, default=torch.get_num_threads())
+    cli.add_argument("--model", choices=["gpt", "bn"], default="gpt", help="the example GPT or a BatchNorm conv net")
     args = cli.parse_args(argv)
     facts = start_run()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
 
-    state = build_gpt(args.preset, batch_size=args.batch_size)
+    state = build_gpt(args.preset, batch_size=args.batch_size) if args.model == "gpt" else build_bn_net(args.preset)
     nbytes = state.tensor_bytes
     cache = cache_for(nbytes)
     with (
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                      "plain memory; tierstate's host cache is not pinned either")
     report = blocked_report(
         "blocked",
-        f"Blocked time per checkpoint in a GPT training loop: {state.n_params / 1e6:.1f} M params, state "
+        f"Blocked time per checkpoint in a {args.model.upper()} training loop: {state.n_params / 1e6:.1f} M params, state "
         f"{fmt_bytes(nbytes)}, checkpoint every {args.every} steps, {args.steps} steps x {args.repeats} rounds",
         runs,
         "dcp.async_save",
