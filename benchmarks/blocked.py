@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                      "plain memory; tierstate's host cache is not pinned either")
     report = blocked_report(
         "blocked",
-        f"Blocked time per checkpoint in a {args.model.upper()} training loop: {state.n_params / 1e6:.1f} M params, state "
-        f"{fmt_bytes(nbytes)}, checkpoint every {args.every} steps, {args.steps} steps x {args.repeats} rounds",
+        f"Blocked time per checkpoint in a {args.model.upper()} training loop: {state.n_params / 1e6:.1f} M params, "
+        f"state {fmt_bytes(nbytes)}, checkpoint every {args.every} steps, {args.steps} steps x {args.repeats} rounds",
         runs,
         "dcp.async_save",
         args.every,
