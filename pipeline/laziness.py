@@ -26,17 +26,20 @@ log = logging.getLogger("tierstate")
 
 
 def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    """The torch optimizer inside a wrapper (accelerate's ``AcceleratedOptimizer`` keeps it as
-    ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``)."""
-    seen: list[object] = []
+    """The torch optimizer inside a wrapper: accelerate's ``AcceleratedOptimizer`` keeps it as
+    ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``. Both wrappers pass an
+    isinstance check for ``torch.optim.Optimizer`` without having its hooks, so the inner optimizer
+    is looked for first."""
     current = optimizer
-    while not isinstance(current, torch.optim.Optimizer):
-        seen.append(current)
+    for _ in range(8):  # wrappers of wrappers, bounded
         inner = getattr(current, "optimizer", None) or getattr(current, "_optimizer", None)
-        if inner is None or len(seen) > 8:
-            chain = " -> ".join(type(o).__name__ for o in seen)
-            raise TypeError(f"attach() expects a torch.optim.Optimizer (or a wrapper of one), got {chain}")
+        if not isinstance(inner, torch.optim.Optimizer) or inner is current:
+            break
         current = inner
+    if not isinstance(current, torch.optim.Optimizer):
+        raise TypeError(
+            f"attach() expects a torch.optim.Optimizer (or a wrapper of one), got {type(optimizer).__name__}"
+        )
     return current
 
 
