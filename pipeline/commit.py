@@ -27,8 +27,10 @@ class Commit(Protocol):
         checkpoint."""
         ...
 
-    def abort(self, step: int, error: BaseException) -> None:
-        """Give up ``step`` after ``error``; committed checkpoints stay as they were. Never raises."""
+    def abort(self, step: int, error: BaseException, /) -> None:
+        """Give up ``step`` after ``error``; committed checkpoints stay as they were. Never raises.
+
+        Positional-only, so that an implementation that has no use for ``error`` may name it ``_error``."""
         ...
 
 
@@ -44,5 +46,5 @@ class TierCommit:
     def commit(self, step: int, manifest: ManifestBody) -> Path:
         return self.tier.commit(step, manifest)
 
-    def abort(self, step: int, error: BaseException) -> None:
-        self.tier.abort(step)
+    def abort(self, step: int, _error: BaseException) -> None:
+        self.tier.abort(step)  # one process has no one to tell why

@@ -79,7 +79,7 @@ class CheckpointGroup:
         self.world_size = dist.get_world_size()
         self.timeout = timeout
         self.broken: str | None = None
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.group = _member(dist.new_group(backend="gloo", timeout=timeout), "checkpoint")
         hosts: list[Any] = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         by_host: dict[str, list[int]] = defaultdict(list)
@@ -89,7 +89,8 @@ class CheckpointGroup:
         self.node_ranks = by_host[hosts[self.rank]]
         self.node = self.group
         if len(nodes) > 1:
-            self.node, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+            node, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+            self.node = _member(node, "node")
 
     @property
     def is_leader(self) -> bool:
@@ -149,6 +150,15 @@ class CheckpointGroup:
             groups = {self.group, self.node}
             for group in groups:
                 dist.destroy_process_group(group)
+
+
+def _member(group: dist.ProcessGroup | int | None, which: str) -> dist.ProcessGroup:
+    """A group this rank belongs to, as torch's untyped constructors return it (None or an int
+    marker for a rank outside the group; every rank is inside the groups made here)."""
+    if not isinstance(group, dist.ProcessGroup):
+        rank = dist.get_rank()
+        raise GroupLost(f"rank {rank} is not a member of the {which} group torch.distributed created ({group!r})")
+    return group
 
 
 def _reason(error: BaseException) -> str:

@@ -23,7 +23,7 @@ from ..tiers.hostcache import HostCache, Slab
 from ..tiers.objcodec import ObjectCodecError, encode_object
 from .capture import SlabCopier
 from .commit import Commit, TierCommit
-from .config import PersistStage, PipelineConfig
+from .config import CompressStage, PersistStage, PipelineConfig
 from .persist import TierWriter
 from .plan import CheckpointPlan, ChunkPlan
 from .retry import storage_call
@@ -121,11 +121,11 @@ class CheckpointJob:
         workers = {"capture": self._capture, "serialize": self._serialize, "compress": self._compress}
         async with asyncio.TaskGroup() as group:
             group.create_task(self._feed(queues[0], chain[0][0]))
-            for i, (name, stage) in enumerate(chain):
+            for i, (_name, stage) in enumerate(chain):
                 fn = self._persist if stage.kind == "persist" else workers[stage.kind]
                 out = queues[i + 1] if i + 1 < len(queues) else None
                 out_name = chain[i + 1][0] if out is not None else ""
-                group.create_task(self._stage(name, stage.workers, fn, queues[i], out, out_name))
+                group.create_task(self._stage(stage.workers, fn, queues[i], out, out_name))
 
     async def _put(self, queue: asyncio.Queue, name: str, unit: object) -> None:
         await queue.put(unit)
@@ -141,7 +141,6 @@ class CheckpointJob:
 
     async def _stage(
         self,
-        name: str,
         workers: int,
         fn: Callable[[object], Awaitable[object]],
         inbox: asyncio.Queue,
@@ -204,9 +203,10 @@ class CheckpointJob:
             offset += len(data)
         return Chunk(entries=entries, raw=memoryview(b"".join(parts)))
 
-    async def _compress(self, chunk: Chunk) -> Chunk:
+    async def _compress(self, chunk: object) -> Chunk:
+        assert isinstance(chunk, Chunk)  # serialize hands on only chunks
         stage = self.ctx.config.stage_of_kind("compress")
-        if stage is None or stage.codec == "none" or not len(chunk.raw):
+        if not isinstance(stage, CompressStage) or stage.codec == "none" or not len(chunk.raw):
             return chunk
         width = chunk.element_size if stage.shuffle == "auto" else 1
         cache = self.ctx.cache
@@ -231,7 +231,8 @@ class CheckpointJob:
                 chunk.slab = None
         return chunk
 
-    async def _persist(self, chunk: Chunk) -> None:
+    async def _persist(self, chunk: object) -> None:
+        assert isinstance(chunk, Chunk)  # serialize and compress hand on only chunks
         assert self._writer is not None
         await self._writer.write(chunk)
         self.stats.raw_bytes += len(chunk.raw)

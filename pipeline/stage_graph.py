@@ -77,7 +77,7 @@ def _walk(stages: Mapping[str, Stage], start: str) -> Iterator[str]:
     """Follow ``next`` from ``start``, stopping at a missing stage, the end, or a repeat."""
     visited: set[str] = set()
     name: str | None = start
-    while name in stages and name not in visited:
+    while name is not None and name in stages and name not in visited:
         visited.add(name)
         yield name
         name = stages[name].next

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .base import RestoreError, require_keys
 from .items import Item, ObjectItem, TensorItem
+
+if TYPE_CHECKING:
+    from numpy import uint32
+    from numpy.typing import NDArray
 
 try:
     import numpy as np
@@ -49,7 +53,10 @@ class RNGProvider:
             TensorItem(TORCH_KEY, torch.get_rng_state(), changes="never"),  # our own copy
         ]
         if np is not None:
-            name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+            # The stub allows a dict (non-MT19937 generators); the global RandomState is always MT19937,
+            # for which legacy=True returns this tuple.
+            legacy = cast("tuple[str, NDArray[uint32], int, int, float]", np.random.get_state(legacy=True))
+            name, key, pos, has_gauss, cached = legacy
             items.append(
                 ObjectItem(
                     NUMPY_KEY,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import IO, Literal, cast
 
 import torch
 import zstandard
@@ -20,7 +21,9 @@ import zstandard
 from tierstate.errors import TierstateError
 
 _local = threading.local()
-SHUFFLE_WIDTHS = (1, 2, 4, 8, 16)
+Codec = Literal["none", "zstd"]
+ShuffleWidth = Literal[1, 2, 4, 8, 16]
+SHUFFLE_WIDTHS: tuple[ShuffleWidth, ...] = (1, 2, 4, 8, 16)
 
 
 class CodecError(TierstateError, ValueError):
@@ -30,8 +33,8 @@ class CodecError(TierstateError, ValueError):
 @dataclass(frozen=True)
 class Encoded:
     data: bytes
-    codec: str
-    shuffle: int
+    codec: Codec
+    shuffle: ShuffleWidth
 
 
 def _compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
@@ -50,7 +53,7 @@ def _planes(data: bytes | memoryview, width: int, inverse: bool) -> bytes | memo
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(data, dtype=torch.uint8)
     shape = (width, -1) if inverse else (-1, width)
-    return memoryview(flat.view(shape).t().contiguous().numpy()).cast("B")
+    return flat.view(shape).t().contiguous().numpy().data.cast("B")
 
 
 def shuffle(data: bytes | memoryview, width: int) -> bytes | memoryview:
@@ -92,7 +95,7 @@ class _SlabSink:
 
 def compress_into(
     raw: memoryview, scratch: torch.Tensor, level: int, threads: int = 0, width: int = 1
-) -> tuple[int, int] | None:
+) -> tuple[int, ShuffleWidth] | None:
     """Compress ``raw`` (writable, e.g. a host-cache slab) in place, using ``scratch`` (>= len(raw) bytes).
 
     On success the zstd frame of the shuffled bytes is in ``raw[:length]`` and ``(length, width)``
@@ -109,11 +112,13 @@ def compress_into(
     spare = scratch[:n]
     if width > 1:
         spare.view(width, -1).copy_(source.view(-1, width).t())
-        data, sink = memoryview(spare.numpy()), _SlabSink(raw, n - 1)
+        data, sink = spare.numpy().data, _SlabSink(raw, n - 1)
     else:
-        data, sink = raw, _SlabSink(memoryview(spare.numpy()), n - 1)
+        data, sink = raw, _SlabSink(spare.numpy().data, n - 1)
+    # The stub asks for a whole IO[bytes]; zstandard calls only write() on it (flush() if it had one).
+    target = cast(IO[bytes], sink)
     try:
-        with _compressor(level, threads).stream_writer(sink, size=n, write_size=1 << 20, closefd=False) as writer:
+        with _compressor(level, threads).stream_writer(target, size=n, write_size=1 << 20, closefd=False) as writer:
             writer.write(data)
     except _Overflow:
         if width > 1:  # raw was partly overwritten: put the original bytes back from the shuffled copy

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from .codecs import Codec, ShuffleWidth
 from .format import FileRecord
 from .hostcache import Slab
 
@@ -43,8 +44,8 @@ class Chunk:
     entries: list[ChunkEntry]
     raw: memoryview
     slab: Slab | None = None  # the host-cache slab ``raw`` lies in (aligned: a frame may go O_DIRECT from it)
-    codec: str = "none"
-    shuffle: int = 1
+    codec: Codec = "none"
+    shuffle: ShuffleWidth = 1
     element_size: int = 1  # the byte-shuffle width that suits this chunk's dtypes
     stored: memoryview | bytes | None = None  # the compressed form of ``raw``, if compression shrank it
 

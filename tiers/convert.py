@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
-from typing import get_args
+from typing import TypeVar, get_args
 
 import torch
 
@@ -46,11 +46,12 @@ BATCH_BYTES = 256 << 20
 Progress = Callable[[int], None]
 LeafId = tuple[str, int | None]  # (item key, shard index or rank), None for a plain record
 Leaf = TensorRecord | ObjectRecord
+K = TypeVar("K", bound=Hashable)
 
 
 def container_format(manifest: Manifest, source: str) -> Format:
     """Which container the checkpoint's data files are; one checkpoint never mixes them."""
-    kinds = {"hdf5" if _kind(name) == "h5" else "frames" for name in manifest.files}
+    kinds: set[Format] = {"hdf5" if _kind(name) == "h5" else "frames" for name in manifest.files}
     if len(kinds) > 1:
         raise ManifestError(f"{source}: data files mix the frames and HDF5 formats")
     return kinds.pop() if kinds else "frames"
@@ -102,9 +103,9 @@ def _with_pieces(key: str, record: AnyRecord, pieces: dict[LeafId, list[Piece]])
     return record.model_copy(update={"pieces": pieces[(key, None)]})
 
 
-def batches(items: list[tuple[Hashable, Leaf]], manifest: Manifest) -> Iterator[dict[Hashable, Leaf]]:
+def batches(items: list[tuple[K, Leaf]], manifest: Manifest) -> Iterator[dict[K, Leaf]]:
     """Consecutive groups of leaves holding at most BATCH_BYTES (a larger leaf alone)."""
-    batch: dict[Hashable, Leaf] = {}
+    batch: dict[K, Leaf] = {}
     size = 0
     for lid, leaf in items:
         nbytes = manifest.record_nbytes(leaf)
@@ -119,7 +120,7 @@ def batches(items: list[tuple[Hashable, Leaf]], manifest: Manifest) -> Iterator[
 
 def write_sliced(writer: ContainerWriter, key: str, data: torch.Tensor, progress: Progress | None) -> list[Piece]:
     """Write one item's bytes as frames of at most FRAME_BYTES; their pieces, in item order."""
-    view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
     pieces = []
     for start in range(0, len(view), FRAME_BYTES):
         part = view[start : start + FRAME_BYTES]
@@ -181,13 +182,14 @@ def _write_file(
     progress: Progress | None,
 ) -> FileRecord:
     writer: ContainerWriter
+    container: Hdf5Container | None = None
     if fmt == "hdf5":
         container = Hdf5Container(path, align, {"step": manifest.step, "created": manifest.created})
         writer = container
     else:
         writer = FrameFile(path, align, io="buffered")  # read back into torch buffers, not host-cache slabs
     try:
-        if fmt == "hdf5":
+        if container is not None:
             for (key, _), leaf in file_leaves:
                 declare(container, key, leaf)
             plain = {key for (key, index), _ in file_leaves if index is None}

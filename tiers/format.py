@@ -14,7 +14,7 @@ import math
 import os
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import msgpack
 import xxhash
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tierstate.errors import TierstateError
 
 from .boxes import Box, tiling_problem
+from .codecs import Codec, ShuffleWidth
 from .dtypes import UnknownDtypeError, dtype_from_name
 from .names import data_file_name, data_file_rank, parse_rank_file
 
@@ -54,8 +55,8 @@ class FrameRecord(_Strict):
     offset: NonNegative
     length: NonNegative
     raw_length: NonNegative
-    codec: Literal["none", "zstd"]
-    shuffle: Literal[1, 2, 4, 8, 16] = 1
+    codec: Codec
+    shuffle: ShuffleWidth = 1
     checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
 
 
@@ -375,7 +376,8 @@ def write_durably(path: Path, data: bytes) -> None:
 
 def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[str, Any]]) -> bytes:
     """One rank's part of the checkpoint, for multi-rank commit and recovery; ``items`` in JSON form."""
-    return msgpack.packb({"rank": rank, "step": step, "file": file.model_dump(), "items": items})
+    packed = msgpack.packb({"rank": rank, "step": step, "file": file.model_dump(), "items": items})
+    return cast(bytes, packed)  # untyped: None comes only from a Packer(autoreset=False), never from packb
 
 
 class IndexRecord(_Strict):
@@ -406,6 +408,7 @@ def parse_index(raw: bytes, source: str) -> IndexRecord:
     if len(names) > 1 or len(own) != len(names):
         raise ManifestError(f"{source}: rank {index.rank}'s index has pieces in {sorted(names)}")
     files = {name: index.file for name in names or {data_file_name(index.rank)}}
-    one_rank = Manifest(step=index.step, created="", world_size=index.rank + 1, files=files, items=index.items)
+    items: dict[str, ItemRecord] = dict(index.items)  # every rank record is an item record
+    one_rank = Manifest(step=index.step, created="", world_size=index.rank + 1, files=files, items=items)
     check_consistency(one_rank, source)
     return index

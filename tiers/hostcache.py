@@ -29,7 +29,7 @@ class Slab:
 
     def view(self, nbytes: int) -> memoryview:
         """The first ``nbytes`` as a memoryview, for writing and hashing without a copy."""
-        return memoryview(self.tensor[:nbytes].numpy()).cast("B")
+        return self.tensor[:nbytes].numpy().data.cast("B")
 
 
 class HostCache:

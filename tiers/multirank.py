@@ -21,9 +21,11 @@ from pydantic import ValidationError
 
 from .format import (
     FORMAT_VERSION,
+    AliasRecord,
     AnyRecord,
     Manifest,
     ManifestError,
+    ObjectRecord,
     PerRankRecord,
     ShardedRecord,
     TensorRecord,
@@ -41,12 +43,6 @@ class RankPart:
     replicated: frozenset[str]
 
 
-def _placement(key: str, record: AnyRecord, part: RankPart) -> str:
-    if isinstance(record, TensorRecord) and record.shard is not None:
-        return "sharded"
-    return "replicated" if key in part.replicated else "per-rank"
-
-
 def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
     """The global manifest of ``parts`` (one per rank, ranks 0..n-1); ManifestError says what clashes."""
     ranks = sorted(part.rank for part in parts)
@@ -56,7 +52,7 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
     placed: dict[str, dict[int, str]] = defaultdict(dict)
     plain: dict[str, AnyRecord] = {}
     shards: dict[str, list[TensorRecord]] = defaultdict(list)
-    own: dict[str, dict[int, AnyRecord]] = defaultdict(dict)
+    own: dict[str, dict[int, TensorRecord | ObjectRecord | AliasRecord]] = defaultdict(dict)
     for part in sorted(parts, key=lambda p: p.rank):
         clash = set(files) & set(part.manifest.files)
         if clash:
@@ -64,15 +60,22 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
         files |= part.manifest.files
         indexes |= part.manifest.indexes
         for key, record in part.manifest.items.items():
-            placement = placed[key][part.rank] = _placement(key, record, part)
-            if placement == "sharded":
+            if not isinstance(record, TensorRecord | ObjectRecord | AliasRecord):
+                raise ManifestError(
+                    f"step {step}: rank {part.rank} wrote item {key!r} as {record.kind}, "
+                    "but a rank's own part holds only tensor, object and alias records"
+                )
+            if isinstance(record, TensorRecord) and record.shard is not None:
+                placed[key][part.rank] = "sharded"
                 shards[key].append(record)
-            elif placement == "per-rank":
+            elif key not in part.replicated:
+                placed[key][part.rank] = "per-rank"
                 own[key][part.rank] = record
-            elif key in plain:
-                writers = [r for r, p in placed[key].items() if p == "replicated"]
-                raise ManifestError(f"step {step}: replicated item {key!r} was written by ranks {writers}")
             else:
+                placed[key][part.rank] = "replicated"
+                if key in plain:
+                    writers = [r for r, p in placed[key].items() if p == "replicated"]
+                    raise ManifestError(f"step {step}: replicated item {key!r} was written by ranks {writers}")
                 plain[key] = record
     _check_one_placement(step, placed)
     items: dict[str, AnyRecord] = dict(plain)

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import xxhash
@@ -28,6 +28,7 @@ from .codecs import CodecError, decompress
 from .format import FrameRecord, Manifest, ObjectRecord, Piece, TensorRecord
 
 IOV_MAX = 1024
+K = TypeVar("K", bound=Hashable)
 
 
 class CorruptCheckpointError(TierstateError, ValueError):
@@ -36,7 +37,7 @@ class CorruptCheckpointError(TierstateError, ValueError):
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable flat view (numpy refuses to cast an empty one)."""
-    return memoryview(tensor.numpy()).cast("B") if tensor.numel() else memoryview(b"")
+    return tensor.numpy().data.cast("B") if tensor.numel() else memoryview(b"")
 
 
 class PieceDestination(Protocol):
@@ -109,6 +110,11 @@ def _frame_views(ordered: list[tuple[Hashable, Piece]], length: int, dest: Piece
     return views
 
 
+def _check_frame(frame: FrameRecord, actual: str, where: str) -> None:
+    if actual != frame.checksum:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch (expected {frame.checksum}, got {actual})")
+
+
 def _read_frame(
     fd: int, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], dest: PieceDestination, where: str
 ) -> None:
@@ -119,14 +125,10 @@ def _read_frame(
         hasher = xxhash.xxh3_64()
         for view in views:
             hasher.update(view)
-        actual = hasher.hexdigest()
-    else:
-        stored = _read_exact(fd, frame.offset, frame.length, where)
-        actual = xxhash.xxh3_64_hexdigest(stored)
-    if actual != frame.checksum:
-        raise CorruptCheckpointError(f"{where}: checksum mismatch (expected {frame.checksum}, got {actual})")
-    if views is not None:
+        _check_frame(frame, hasher.hexdigest(), where)
         return
+    stored = _read_exact(fd, frame.offset, frame.length, where)
+    _check_frame(frame, xxhash.xxh3_64_hexdigest(stored), where)
     try:
         raw = memoryview(decompress(stored, frame.codec, frame.raw_length, frame.shuffle)).cast("B")
     except CodecError as exc:
@@ -199,11 +201,11 @@ def read_pieces(
 
 
 def read_records(
-    directory: Path, manifest: Manifest, records: Mapping[Hashable, TensorRecord | ObjectRecord], workers: int = 4
-) -> dict[Hashable, torch.Tensor]:
+    directory: Path, manifest: Manifest, records: Mapping[K, TensorRecord | ObjectRecord], workers: int = 4
+) -> dict[K, torch.Tensor]:
     """The stored bytes of each record, every frame verified on the way: key -> uint8 tensor of its own."""
     dest = ByteBuffers()
     for key, record in records.items():
         dest.add(key, manifest.record_nbytes(record))
     read_pieces(directory, manifest, {key: record.pieces for key, record in records.items()}, dest, workers)
-    return dest.buffers
+    return {key: dest.buffers[key] for key in records}

@@ -45,14 +45,14 @@ def read_items(
     check_file_sizes(directory, manifest)
     view = rank_view(manifest, 0, wanted)
     stored = dict.fromkeys(stored_key(key, view.items[key]) for key in wanted)  # in order, each once
-    sharded = sorted(key for key in stored if isinstance(view.items[key], ShardedRecord))
+    sharded = {key: record for key in sorted(stored) if isinstance(record := view.items[key], ShardedRecord)}
     plain: dict[str, TensorRecord | ObjectRecord] = {
         key: record for key in stored if isinstance(record := view.items[key], TensorRecord | ObjectRecord)
     }
     buffers = read_records(directory, view, plain, workers)
     values = {key: _decode(record, buffers[key], allow_pickle) for key, record in plain.items()}
     if sharded:
-        regions = [Region(key, view.items[key], Box.whole(global_shape(view.items[key]))) for key in sharded]
+        regions = [Region(key, record, Box.whole(global_shape(record))) for key, record in sharded.items()]
         values.update(zip(sharded, read_regions(directory, view, regions, workers).tensors, strict=True))
     return {key: values[stored_key(key, view.items[key])] for key in wanted}
 
