@@ -15,16 +15,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
 
 import torch
 import xxhash
 
 from ..providers.dtensor import is_dtensor
 from ..providers.items import TensorItem
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("tierstate")
 
@@ -49,10 +45,8 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
 
 def storage_of(tensor: torch.Tensor) -> int:
     """The address of the memory a tensor's values live in (a DTensor's: its local shard's)."""
-    if is_dtensor(tensor):
-        # is_dtensor returns a plain bool, not a TypeGuard, so the type checker cannot narrow here
-        tensor = cast("DTensor", tensor).to_local()
-    return tensor.untyped_storage().data_ptr()
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True)

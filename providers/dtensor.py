@@ -13,22 +13,23 @@ parameter, so :func:`layout_target` stands in for it on restore, holding no memo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from .items import Changes, ShardInfo, TensorItem
 
-try:
+if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-except ImportError:  # a torch built without distributed has no DTensor to describe
-    DTensor = None
 
 
-def is_dtensor(value: Any) -> bool:
-    return DTensor is not None and isinstance(value, DTensor)
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor; False in a torch built without distributed (none can exist there)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False, changes: Changes = "any") -> TensorItem:
@@ -39,7 +40,7 @@ def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False, change
     return TensorItem(key, tensor.to_local(), shard=shard, replicated=copies, changes=changes)
 
 
-def layout_target(key: str, like: Any) -> TensorItem:
+def layout_target(key: str, like: DTensor) -> TensorItem:
     """An item for a tensor that does not exist yet but will be laid out like the DTensor ``like``.
 
     Its tensor is on the meta device (no memory), with the local shape this rank will hold; its
@@ -50,8 +51,11 @@ def layout_target(key: str, like: Any) -> TensorItem:
     return TensorItem(key, part, shard=shard, replicated=copies)
 
 
-def _layout(key: str, tensor: Any) -> tuple[ShardInfo | None, bool]:
+def _layout(key: str, tensor: DTensor) -> tuple[ShardInfo | None, bool]:
     """Where the DTensor ``tensor``'s local part sits (None: it is whole), and whether other ranks hold copies."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
     placements = tensor.placements
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(
@@ -72,6 +76,6 @@ def like_live(live: Any, value: Any) -> Any:
     if not is_dtensor(live) or not isinstance(value, torch.Tensor):
         return value
     local = value.to(live.to_local().device)
-    return DTensor.from_local(
+    return type(live).from_local(
         local, live.device_mesh, live.placements, run_check=False, shape=live.shape, stride=live.stride()
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from .base import ReadState, RestoreError, fresh_keys
 from .dtensor import is_dtensor, layout_target, like_live
 from .items import Item, Serializer, TensorItem
 from .stateful import StatefulProvider
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 STEP = "step"
 """The state name torch keeps as it is given (a plain scalar tensor), whatever the parameter's layout."""
@@ -127,16 +130,17 @@ class OptimizerProvider(StatefulProvider):
                         param_state[name] = value.clone()
 
 
-def _sharded_param(key: str, params: list[torch.Tensor]) -> torch.Tensor | None:
+def _sharded_param(key: str, params: list[torch.Tensor]) -> DTensor | None:
     """The DTensor parameter whose state ``key`` (``state/<param index>/<name>``) is, unless it is ``step``."""
     parts = key.split("/")
     if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or parts[2] == STEP:
         return None
     index = int(parts[1])
-    return params[index] if index < len(params) and is_dtensor(params[index]) else None
+    param = params[index] if index < len(params) else None
+    return param if is_dtensor(param) else None
 
 
-def _as_part_of(key: str, like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _as_part_of(key: str, like: DTensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` as this rank's part of a DTensor laid out like ``like``; refused if it is not that part's shape
     (the whole tensor read by a process that holds only a part of it), since it would claim the wrong elements."""
     part = like.to_local().shape

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -71,7 +71,8 @@ def _msgpack_default(value: Any) -> Any:
 def _pack(value: Any) -> bytes:
     # strict_types: tuples and subclasses (OrderedDict, numpy floats) reach the default hook instead of
     # being packed as lists / their base type
-    return msgpack.packb(value, default=_msgpack_default, use_bin_type=True, strict_types=True)
+    packed = msgpack.packb(value, default=_msgpack_default, use_bin_type=True, strict_types=True)
+    return cast(bytes, packed)  # msgpack is untyped; packb without a stream always returns bytes
 
 
 class _Decoder:
