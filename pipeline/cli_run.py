@@ -20,13 +20,14 @@ import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from ..tiers import commands
 from ..tiers.commands import UsageError
-from ..tiers.convert import FORMATS
-from ..tiers.export import EXPORT_FORMATS
+from ..tiers.convert import Format
+from ..tiers.export import ExportFormat
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
 from ..tiers.policy import RetentionPolicy
@@ -35,6 +36,8 @@ from .config import ConfigError, TierConfig, load_config, packaged_config, packa
 
 # Errors that mean the request itself is wrong: printed without a traceback, exit code 2.
 _BAD_INPUT = (UsageError, ConfigError, ManifestError)
+
+T = TypeVar("T")
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -123,10 +126,14 @@ def _size(text: str, option: str) -> int:
     return size
 
 
-def _choice(text: str | None, choices: Collection[str], option: str) -> str | None:
-    if text is not None and text not in choices:
-        raise UsageError(f"{option} {text!r}: expected one of {', '.join(choices)}")
-    return text
+def _choice(text: str | None, choices: Collection[T], option: str) -> T | None:
+    """``text`` if it is one of ``choices`` (or None, the option not given); else the option is named."""
+    for choice in choices:
+        if text == choice:
+            return choice
+    if text is not None:
+        raise UsageError(f"{option} {text!r}: expected one of {', '.join(map(str, choices))}")
+    return None
 
 
 def _ask(question: str) -> bool:
@@ -162,7 +169,7 @@ def _migrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--from and --to are both {source.name}")
     if (args.step is None) == (not args.all):
         raise UsageError("give either a STEP or --all")
-    fmt = _choice(args.format, FORMATS, "--format")
+    fmt = _choice(args.format, get_args(Format), "--format")
     bandwidth = _size(args.bandwidth, "--bandwidth") if args.bandwidth else None
     _must_exist([source])
     return commands.migrate_steps(
@@ -196,7 +203,8 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    fmt = _choice(args.format, EXPORT_FORMATS, "--format")
+    fmt = _choice(args.format, get_args(ExportFormat), "--format")
+    assert fmt is not None  # argparse requires --format
     tiers = [p.tier for p in ([_pick(_tiers(args), args.source, "--from")] if args.source else _tiers(args))]
     _must_exist(tiers)
     return commands.export_step(tiers, args.step, Path(args.out), fmt, args.json, force=args.force)

@@ -40,7 +40,6 @@ from .multirank import rank_view
 from .reader import read_items
 
 ExportFormat = Literal["hdf5", "safetensors"]
-EXPORT_FORMATS: tuple[str, ...] = ("hdf5", "safetensors")
 Progress = Callable[[int], None]
 
 _SAFETENSORS_NATIVE = {
