@@ -225,23 +225,36 @@ class PipelineConfig(_Strict):
     align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
     host_cache: HostCacheConfig = HostCacheConfig()
     tiers: Tiers
-    pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _default_pipeline)
+    pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
 
     @model_validator(mode="before")
     @classmethod
-    def _default_pipeline(cls, data: Any) -> Any:
-        """A config that leaves ``pipeline`` out gets the packaged default's stage chain, persisting to
-        its first tier, so ``{"tiers": {...}}`` alone is a complete config."""
-        if not isinstance(data, Mapping) or "pipeline" in data:
+    def _defaults_from_tiers(cls, data: Any) -> Any:
+        """Defaults that follow from the tiers: a persist stage without ``tier`` writes to the first
+        (fastest) tier, and a config without ``pipeline`` gets the packaged default's stage chain,
+        writing there too; so ``{"tiers": {...}}`` alone is a complete config."""
+        if not isinstance(data, Mapping):
             return data
-        pipeline = _packaged_default_pipeline()
         tiers = data.get("tiers")
-        if isinstance(tiers, Mapping) and tiers:  # otherwise the tiers are reported, not the pipeline
-            for stage in pipeline["stages"].values():
-                if stage.get("kind") == "persist":
-                    stage["tier"] = next(iter(tiers))
-        return {**data, "pipeline": pipeline}
+        first = next(iter(tiers), None) if isinstance(tiers, Mapping) else None
+        if "pipeline" in data:
+            pipeline = data["pipeline"]
+        else:
+            pipeline = _packaged_default_pipeline()
+            if first is not None:  # else the default's own tier stays, and only the tiers are reported
+                for stage in pipeline["stages"].values():
+                    stage.pop("tier", None)
+        stages = pipeline.get("stages") if isinstance(pipeline, Mapping) else None
+        if first is None or not isinstance(stages, Mapping):
+            return {**data, "pipeline": pipeline}  # pydantic reports what is wrong
+        filled = {
+            name: {**stage, "tier": first}
+            if isinstance(stage, Mapping) and "tier" not in stage and stage.get("kind", name) == "persist"
+            else stage
+            for name, stage in stages.items()
+        }
+        return {**data, "pipeline": {**pipeline, "stages": filled}}
 
     @field_validator("version")
     @classmethod

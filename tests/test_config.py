@@ -134,8 +134,11 @@ def test_a_mapping_with_only_tiers_gets_the_packaged_pipeline_persisting_to_its_
     cfg = parse_config({"tiers": tiers})
     assert cfg.persist_tier == "fast"
     assert cfg == load_config(overrides={"tiers": tiers, "pipeline.stages.persist.tier": "fast"})
-    # Only what is left out is filled in: a pipeline given is taken as it is.
+    # Only what is left out is filled in: a pipeline given is taken as it is, a persist stage's tier too.
     assert parse_config({**MINIMAL, "tiers": tiers | {"nvme": {"path": "n"}}}).persist_tier == "nvme"
+    no_tier = minimal(pipeline__stages__persist__tier=..., tiers={"pfs": {"path": "p"}, "nvme": {"path": "n"}})
+    assert parse_config(no_tier).persist_tier == "pfs"
+    assert "tier" not in no_tier["pipeline"]["stages"]["persist"]  # the caller's mapping is left as it was
 
 
 def test_a_mapping_is_validated_like_a_file_with_the_same_messages(tmp_path: Path) -> None:
