@@ -231,15 +231,15 @@ def prune_tiers(
     if confirm is not None and not dry_run:
         plan = prune(tiers, dry_run=True, only=only)
         doomed = [d for d in plan if d.delete]
-        if not doomed:
-            dry_run = True  # nothing to ask about, nor to delete unasked: the plan is the report
-        else:
-            if not as_json:  # one JSON document on stdout, the result's; the question alone says enough
-                _report_pruning(plan, sizes, dry_run=True, as_json=False)
-            freed = _size(sum(sizes[d.tier, d.step] for d in doomed))
-            if not confirm(f"delete {len(doomed)} checkpoint{'s' if len(doomed) > 1 else ''}, freeing {freed}? [y/N] "):
-                _emit(as_json, [], ["nothing deleted"])
-                return 0
+        if not doomed:  # nothing to ask about, nor to delete unasked: the plan is the report
+            _report_pruning(plan, sizes, dry_run=True, as_json=as_json)
+            return 0
+        if not as_json:  # one JSON document on stdout, the result's; the question alone says enough
+            _report_pruning(plan, sizes, dry_run=True, as_json=False)
+        freed = _size(sum(sizes[d.tier, d.step] for d in doomed))
+        if not confirm(f"delete {len(doomed)} checkpoint{'s' if len(doomed) > 1 else ''}, freeing {freed}? [y/N] "):
+            _emit(as_json, [], ["nothing deleted"])
+            return 0
     _report_pruning(prune(tiers, dry_run=dry_run, only=only), sizes, dry_run=dry_run, as_json=as_json)
     return 0
 
