@@ -15,6 +15,7 @@ in pipeline/config_errors.py.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import typing
 from collections.abc import Mapping
@@ -54,12 +55,21 @@ __all__ = [
     "StageBase",
     "StageConfig",
     "TierConfig",
+    "config_path",
     "load_config",
+    "packaged_config",
+    "packaged_configs",
     "parse_config",
     "parse_tiers",
 ]
 
 MiB = 1 << 20
+
+# The configs that ship with tierstate. Installed, they are package data in tierstate/configs beside
+# tierstate/pipeline; in a checkout, configs/ sits beside pipeline/: the same place relative to
+# this file (resolved, because a development checkout may reach pipeline/ through a symlink).
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_NAME = "default"
 
 StageKind = Literal["capture", "serialize", "compress", "persist"]
 STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
@@ -218,8 +228,36 @@ class PipelineConfig(_Strict):
     align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
     host_cache: HostCacheConfig = HostCacheConfig()
     tiers: Tiers
-    pipeline: PipelineSpec
+    pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_tiers(cls, data: Any) -> Any:
+        """Defaults that follow from the tiers: a persist stage without ``tier`` writes to the first
+        (fastest) tier, and a config without ``pipeline`` gets the packaged default's stage chain,
+        writing there too; so ``{"tiers": {...}}`` alone is a complete config."""
+        if not isinstance(data, Mapping):
+            return data
+        tiers = data.get("tiers")
+        first = next(iter(tiers), None) if isinstance(tiers, Mapping) else None
+        if "pipeline" in data:
+            pipeline = data["pipeline"]
+        else:
+            pipeline = _packaged_default_pipeline()
+            if first is not None:  # else the default's own tier stays, and only the tiers are reported
+                for stage in pipeline["stages"].values():
+                    stage.pop("tier", None)
+        stages = pipeline.get("stages") if isinstance(pipeline, Mapping) else None
+        if first is None or not isinstance(stages, Mapping):
+            return {**data, "pipeline": pipeline}  # pydantic reports what is wrong
+        filled = {
+            name: {**stage, "tier": first}
+            if isinstance(stage, Mapping) and "tier" not in stage and stage.get("kind", name) == "persist"
+            else stage
+            for name, stage in stages.items()
+        }
+        return {**data, "pipeline": {**pipeline, "stages": filled}}
 
     @field_validator("version")
     @classmethod
@@ -303,16 +341,55 @@ def _tier_format_problems(config: PipelineConfig) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
-    """Read and validate the YAML file at ``path``; ``overrides`` as in :func:`parse_config`."""
+def packaged_configs() -> list[str]:
+    """The names of the configs that ship with tierstate (``default``, ``tiered``, ...)."""
+    return sorted(path.stem for path in PACKAGED_DIR.glob("*.yaml"))
+
+
+def packaged_config(name: str) -> Path:
+    """The file of the packaged config ``name`` (``tiered`` or ``tiered.yaml``), which may not exist."""
+    return PACKAGED_DIR / f"{name.removesuffix('.yaml')}.yaml"
+
+
+def config_path(name_or_path: str | os.PathLike[str] | None = None) -> Path:
+    """The file a config argument means: None is the packaged default; a file that exists is itself;
+    a bare name (``tiered`` or ``tiered.yaml``, no directory) that is not a file here is the packaged
+    config of that name. Anything else is returned as given, for the reader to report missing."""
+    if name_or_path is None:
+        return packaged_config(DEFAULT_NAME)
+    path = Path(name_or_path)
+    if path.is_file() or not isinstance(name_or_path, str) or path.name != name_or_path:
+        return path
+    packaged = packaged_config(name_or_path)
+    return packaged if packaged.is_file() else path
+
+
+def load_config(
+    name_or_path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> PipelineConfig:
+    """Read and validate a YAML config: a file, or a packaged config by name (see :func:`config_path`;
+    None = the packaged default, tiers under ./checkpoints). ``overrides`` as in :func:`parse_config`."""
+    path = config_path(name_or_path)
     source = os.fspath(path)
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, ["file not found"]) from None
+        hint = f"packaged configs, by name: {', '.join(packaged_configs())}; `tierstate init` writes an editable copy"
+        raise ConfigError(source, [f"file not found ({hint})"]) from None
     except OSError as exc:
         raise ConfigError(source, [f"cannot read: {exc.strerror or exc}"]) from None
     return parse_config(text, source=source, overrides=overrides)
+
+
+@functools.cache
+def _packaged_default() -> dict[str, Any]:
+    path = packaged_config(DEFAULT_NAME)
+    return read_yaml(path.read_text(encoding="utf-8"), str(path))
+
+
+def _packaged_default_pipeline() -> dict[str, Any]:
+    """The ``pipeline`` section of the packaged default, a fresh copy for the caller to change."""
+    return copy.deepcopy(_packaged_default()["pipeline"])
 
 
 def parse_config(

@@ -37,7 +37,7 @@ from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.hostcache import HostCache
 from .capture import SlabCopier, record_ready_event
-from .config import PipelineConfig, load_config
+from .config import PipelineConfig, load_config, parse_config
 from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure
@@ -120,12 +120,24 @@ class Runner:
     @classmethod
     def from_yaml(
         cls,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         overrides: Mapping[str, Any] | None = None,
         rank: int | None = None,
         **options: Any,
     ) -> Runner:
+        """``path``: a YAML file, or a packaged config by name (``tiered``); None = the packaged default."""
         return cls(load_config(path, overrides), rank=rank, **options)
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        overrides: Mapping[str, Any] | None = None,
+        rank: int | None = None,
+        **options: Any,
+    ) -> Runner:
+        """The config as a mapping, validated like a YAML file; keys left out take their defaults."""
+        return cls(parse_config(data, overrides=overrides), rank=rank, **options)
 
     # --- wiring -------------------------------------------------------------------------------
     def register(self, **providers: StateProvider) -> None:

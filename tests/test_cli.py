@@ -3,18 +3,31 @@ the CLI refuses (before touching a checkpoint), and a tier path means the same d
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import DEFAULT_YAML
-from tierstate.pipeline import cli
+import tierstate
+from conftest import DEFAULT_YAML, REPO
+from tierstate.pipeline import cli, cli_run
+from tierstate.pipeline.config import load_config
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.format import read_manifest
 
 
 def _config(tiers: dict[str, dict]) -> dict:
@@ -86,8 +99,8 @@ def test_relative_tier_paths_resolve_as_the_runner_resolves_them(tmp_path, monke
     config = _write(tmp_path / "etc" / "pipeline.yaml", _config({"nvme": {"path": "link/../ckpt"}}))
     runner_tiers = _checkpoints(config, [3])
     assert runner_tiers == [FilesystemTier("nvme", run / "ckpt")]
-    assert [p.tier for p in cli.load_tiers(str(config), None)] == runner_tiers
-    assert [p.tier for p in cli.load_tiers(None, ["nvme=link/../ckpt"])] == runner_tiers
+    assert [p.tier for p in cli_run.load_tiers(str(config), None)] == runner_tiers
+    assert [p.tier for p in cli_run.load_tiers(None, ["nvme=link/../ckpt"])] == runner_tiers
     assert cli.main(["ls", "--json", "--config", str(config)]) == 0
     assert [(e["tier"], e["step"]) for e in json.loads(capsys.readouterr().out)] == [("nvme", 3)]
 
@@ -100,3 +113,126 @@ def test_relative_tier_paths_resolve_as_the_runner_resolves_them(tmp_path, monke
 def test_a_bad_tier_option_is_named(tmp_path, capsys, option, message):
     assert cli.main(["ls", "--tier", option]) == 2
     assert f"tierstate: {message}" in capsys.readouterr().err
+
+
+# --- the command line as people expect it ------------------------------------------------------
+def _tierstate(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m tierstate ARGS`` in its own process, stdout and stderr piped (not a terminal)."""
+    return subprocess.run([sys.executable, "-m", "tierstate", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+
+
+def _on_terminal(args: list[str], answer: str | None = None, columns: int = 72) -> tuple[int, str]:
+    """``python -m tierstate ARGS`` on a pseudo-terminal ``columns`` wide (stdin, stdout and stderr), as a
+    person runs it; ``answer`` is typed once a question ending in ``[y/N]`` shows. The exit code, and
+    what the terminal showed (line ends as ``\\n``, colours removed)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: size the terminal, then become the CLI
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # e.g. set by pytest
+        os.execve(sys.executable, [sys.executable, "-m", "tierstate", *args], env)
+    shown, asked = b"", False
+    while True:
+        ready, _, _ = select.select([fd], [], [], 300)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            raise TimeoutError(f"tierstate {' '.join(args)} showed {shown!r} and stopped")
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the child is gone and the terminal closed
+            data = b""
+        if not data:
+            break
+        shown += data
+        if answer is not None and not asked and shown.rstrip().endswith(b"[y/N]"):
+            os.write(fd, answer.encode() + b"\n")
+            asked = True
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode()).replace("\r\n", "\n")
+    return os.waitstatus_to_exitcode(status), text
+
+
+def test_help_and_version_answer_without_importing_torch() -> None:
+    probe = (
+        "import sys\n"
+        "from tierstate.pipeline.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['migrate', '--help'], ['prune', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code == 0, (argv, exit.code)\n"
+        "print('torch loaded:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert f"tierstate {tierstate.__version__}\n" in done.stdout
+    assert "--bandwidth SIZE" in done.stdout and "-y, --yes" in done.stdout
+    assert done.stdout.endswith("torch loaded: False\n")
+
+
+def test_init_writes_an_editable_copy_of_a_packaged_config(tmp_path, capsys) -> None:
+    assert cli.main(["init", str(tmp_path / "conf")]) == 0
+    written = tmp_path / "conf" / "default.yaml"
+    assert written.read_text() == (REPO / "configs" / "default.yaml").read_text()  # comments and all
+    assert f"wrote {written}" in capsys.readouterr().out
+    assert cli.main(["init", str(tmp_path / "conf")]) == 2  # never overwrites unasked
+    assert f"tierstate: {written} exists; give --force to replace it" in capsys.readouterr().err
+    written.write_text("edited")
+    assert cli.main(["init", str(tmp_path / "conf"), "--force"]) == 0 and written.read_text() != "edited"
+    assert cli.main(["init", str(tmp_path), "--from", "tiered"]) == 0
+    assert load_config(str(tmp_path / "tiered.yaml")).tiers["pfs"].flush is not None
+    assert cli.main(["init", str(tmp_path), "--from", "fast"]) == 2
+    assert "--from 'fast': no such packaged config (packaged: compressed, default, tiered)" in capsys.readouterr().err
+
+
+def test_a_tier_directory_that_is_not_there_is_an_error_not_an_empty_list(tmp_path, monkeypatch, capsys) -> None:
+    nvme = _checkpoints(_write(tmp_path / "c.yaml", _config({"nvme": {"path": str(tmp_path / "nvme")}})), [1])[0]
+    missing = tmp_path / "nvmee"
+    for args in (["ls"], ["verify"], ["gc"], ["inspect", "1"], ["export", "1", str(tmp_path / "x.h5"), "--format",
+                                                               "hdf5"]):
+        assert cli.main([*args, "--tier", f"nvme={missing}"]) == 2, args
+        assert f"tierstate: no such tier directory: nvme ({missing});" in capsys.readouterr().err, args
+    assert cli.main(["migrate", "1", "--from", "nvme", "--to", "pfs", "--tier", f"nvme={missing}",
+                     "--tier", f"pfs={tmp_path / 'pfs'}"]) == 2  # fmt: skip
+    assert f"no such tier directory: nvme ({missing})" in capsys.readouterr().err
+    # A config's relative paths read from another directory: the error says where they were looked for.
+    monkeypatch.chdir(tmp_path / "nvme")
+    assert cli.main(["ls", "--config", "default"]) == 2
+    assert f"relative paths are taken from the working directory ({tmp_path / 'nvme'})" in capsys.readouterr().err
+    # One tier there and one not (a flush tier before its first flush): listed, and the other noted.
+    assert cli.main(["ls", "--tier", f"nvme={nvme.root}", "--tier", f"pfs={tmp_path / 'pfs'}"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[1].startswith("nvme  1 ") and f"tier pfs has no directory {tmp_path / 'pfs'}" in err
+
+
+def test_output_to_a_file_or_pipe_is_plain_whole_lines(make_runner, tmp_path) -> None:
+    keys = [f"encoder_transformer_block_{i}.self_attention.query_key_value.{part}" for i in range(2)
+            for part in ("weight", "bias")]  # fmt: skip
+    runner = make_runner(chunk_size="1MiB", host_cache__size="4MiB")
+    runner.register(model=TensorDictProvider({key: torch.zeros(8) for key in keys}))
+    runner.checkpoint(7).result()
+    manifest = read_manifest(tmp_path / "nvme" / "step-7")
+    tiers = ["--tier", f"nvme={tmp_path / 'nvme'}"]
+    shown = _tierstate("inspect", "7", *tiers)  # piped, as `tierstate inspect 7 > file` or `| grep`
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"step 7: 4 items, {manifest.raw_bytes:,} bytes"
+    assert lines[1].split() == ["key", "kind", "type", "shape", "bytes"]
+    rows = sorted(line.split() for line in lines[2:])
+    assert rows == sorted([f"model/{key}", "tensor", "float32", "8", "32"] for key in keys)
+    listed = _tierstate("ls", *tiers).stdout.splitlines()
+    assert listed[0].split() == ["tier", "step", "state", "items", "stored", "bytes", "created"]
+    assert listed[1].split() == ["nvme", "7", "committed", "4", f"{manifest.stored_bytes:,}", manifest.created]
+    assert "…" not in shown.stdout + "\n".join(listed)
+
+
+def test_on_a_terminal_tables_fold_long_cells_and_cut_nothing(make_runner, tmp_path) -> None:
+    key = "encoder_transformer_block_0.self_attention.query_key_value.weight_with_a_long_name"
+    runner = make_runner(chunk_size="1MiB", host_cache__size="4MiB")
+    runner.register(model=TensorDictProvider({key: torch.zeros(8)}))
+    runner.checkpoint(7).result()
+    code, shown = _on_terminal(["inspect", "7", "--tier", f"nvme={tmp_path / 'nvme'}"], columns=60)
+    assert code == 0 and "…" not in shown
+    assert all(len(line) <= 60 for line in shown.splitlines()), shown
+    cells = "".join(re.findall(r"^│\s*(\S+?)\s*│", shown, flags=re.MULTILINE))  # the key column, line by line
+    assert f"model/{key}" in cells

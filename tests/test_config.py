@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from pydantic import ValidationError
 
@@ -17,9 +18,13 @@ from tierstate.pipeline.config import (
     ConfigError,
     PersistStage,
     PipelineConfig,
+    config_path,
     load_config,
+    packaged_configs,
     parse_config,
 )
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import TensorDictProvider
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MiB = 1 << 20
@@ -94,6 +99,70 @@ def test_shipped_configs_load(name: str, codec: str, tmp_path: Path, monkeypatch
     persist = cfg.stage_of_kind("persist")
     assert isinstance(persist, PersistStage) and persist.bandwidth is None
     assert cfg.policies.in_flight == "wait" and cfg.policies.allow_pickle is False
+
+
+# --- packaged configs, by name, and configs as mappings ------------------------------------------
+
+
+def test_no_argument_is_the_packaged_default_with_tiers_under_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the packaged files are read, wherever tierstate lives
+    assert packaged_configs() == ["compressed", "default", "tiered"]
+    cfg = load_config()
+    assert cfg == load_config(CONFIGS / "default.yaml")
+    assert {name: tier.path for name, tier in cfg.tiers.items()} == {
+        "nvme": tmp_path / "checkpoints" / "nvme", "pfs": tmp_path / "checkpoints" / "pfs"}  # fmt: skip
+
+
+def test_a_packaged_config_by_name_unless_a_file_of_that_name_is_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    tiered = load_config("tiered")
+    assert tiered == load_config("tiered.yaml") == load_config(CONFIGS / "tiered.yaml")
+    assert tiered.tiers["pfs"].flush is not None and tiered.tiers["nvme"].retention.keep_last == 2
+    write(tmp_path, minimal(), name="tiered.yaml")  # the user's own file of that name wins
+    assert load_config("tiered.yaml").tiers["pfs"].flush is None
+    assert config_path("tiered.yaml") == Path("tiered.yaml")
+    with pytest.raises(ConfigError, match="^nosuch: file not found \\(packaged configs, by name: compressed, "):
+        load_config("nosuch")
+
+
+def test_a_mapping_with_only_tiers_gets_the_packaged_pipeline_persisting_to_its_first_tier(tmp_path: Path) -> None:
+    tiers = {"fast": {"path": str(tmp_path / "fast")}, "slow": {"path": str(tmp_path / "slow")}}
+    cfg = parse_config({"tiers": tiers})
+    assert cfg.persist_tier == "fast"
+    assert cfg == load_config(overrides={"tiers": tiers, "pipeline.stages.persist.tier": "fast"})
+    # Only what is left out is filled in: a pipeline given is taken as it is, a persist stage's tier too.
+    assert parse_config({**MINIMAL, "tiers": tiers | {"nvme": {"path": "n"}}}).persist_tier == "nvme"
+    no_tier = minimal(pipeline__stages__persist__tier=..., tiers={"pfs": {"path": "p"}, "nvme": {"path": "n"}})
+    assert parse_config(no_tier).persist_tier == "pfs"
+    assert "tier" not in no_tier["pipeline"]["stages"]["persist"]  # the caller's mapping is left as it was
+
+
+def test_a_mapping_is_validated_like_a_file_with_the_same_messages(tmp_path: Path) -> None:
+    data = minimal(chunk_size="tiny", pipeline__stages__persist__tier="tape")
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.source == "<config>"
+    assert info.value.problems == problems_of(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        parse_config({})  # nothing to fill the pipeline's tier from: only the tiers are reported
+    assert info.value.problems == ["tiers: required key is missing"]
+
+
+def test_runner_from_dict_and_from_yaml_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    small = {"chunk_size": "1MiB", "host_cache": {"size": "2MiB"}}
+    with Runner.from_dict({"tiers": {"local": {"path": "ckpt"}}, **small}) as runner:
+        runner.register(t=TensorDictProvider({"w": torch.arange(10.0)}))
+        assert runner.checkpoint(1).result().path == tmp_path / "ckpt" / "step-1"
+    with pytest.raises(ConfigError, match="^<config>: tiers: required key is missing$"):
+        Runner.from_dict(small)
+    with Runner.from_yaml("tiered", overrides=small) as runner:
+        assert runner.config.tiers["pfs"].flush is not None
+        assert [t.root for t in runner.tiers] == [tmp_path / "checkpoints" / "nvme", tmp_path / "checkpoints" / "pfs"]
 
 
 def test_defaults_and_kind_from_stage_name(tmp_path: Path) -> None:
@@ -398,7 +467,10 @@ def test_missing_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:
         load_config(missing)
-    assert str(info.value) == f"{missing}: file not found"
+    assert str(info.value) == (
+        f"{missing}: file not found (packaged configs, by name: compressed, default, tiered; "
+        "`tierstate init` writes an editable copy)"
+    )
 
 
 def test_config_error_is_a_value_error_and_pickles(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def test_move_publishes_verified_then_deletes_the_source(tiers, tmp_path, capsys
     assert cli.main(["migrate", "--all", "--from", "nvme", "--to", "pfs", "--move", "--tier", f"nvme={nvme.root}",
                      "--tier", f"pfs={pfs.root}"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "step 3: nvme -> pfs: copied" in out and "source deleted" in out and "GB/s" in out
+    assert "step 3: nvme -> pfs: copied" in out and "source deleted" in out and "B/s)" in out
     assert nvme.steps() == [] and sorted(p.name for p in nvme.root.iterdir()) == []
     assert pfs.steps() == [3, 4] and _same(load(pfs.step_dir(4)), expected)
 

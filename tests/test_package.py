@@ -56,7 +56,7 @@ def test_errors_keep_their_builtin_bases() -> None:
 def test_wheel_installs_exactly_one_top_level_package(tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
          "--target", str(target), str(REPO)],
         check=True, capture_output=True, timeout=600,
     )

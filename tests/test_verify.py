@@ -42,7 +42,7 @@ def test_verify_finds_a_flipped_byte_and_restore_falls_back_to_the_good_copy(mak
     assert not report["ok"] and report["problems"][0].startswith("rank-00000.data frame 1: ")
     assert cli.main(["ls", "--json", *tiers]) == 0
     states = {e["tier"]: e["state"] for e in json.loads(capsys.readouterr().out)}
-    assert states == {"nvme": "committed", "pfs": "verified"}  # the failed pass took nvme's stamp away
+    assert states == {"nvme": "damaged", "pfs": "verified"}  # until a pass finds it clean again
 
     for t in tensors.values():
         t.zero_()

@@ -1,5 +1,5 @@
 """What ``tierstate ls`` and ``inspect`` say about checkpoints: a manifest's summary and item rows,
-and beyond the manifest, verified, flushed and leftovers."""
+and beyond the manifest, verified or damaged, flushed, and leftovers."""
 
 from __future__ import annotations
 
@@ -49,14 +49,18 @@ def item_rows(manifest: Manifest) -> list[dict[str, Any]]:
 
 
 def copy_state(tiers: Sequence[FilesystemTier], tier: FilesystemTier, step: int) -> dict[str, Any]:
-    """State of a committed copy: ``verified`` once a full verification passed on this very manifest,
-    ``flushed`` when a slower tier (later in the list) also holds the step."""
-    verified_at = read_stamp(tier.step_dir(step))
+    """State of a committed copy: ``verified`` or ``damaged`` as the last full verification of this very
+    manifest found it (``committed`` if none ran since it was written); ``flushed`` when a slower tier
+    (later in the list) also holds the step."""
+    stamp = read_stamp(tier.step_dir(step))
     later = tiers[[t.name for t in tiers].index(tier.name) + 1 :]
     flushed_to = [t.name for t in later if step in t.steps()]
+    state = "committed" if stamp is None else "verified" if stamp.ok else "damaged"
     return {
-        "state": "verified" if verified_at else "committed",
-        "verified_at": verified_at,
+        "state": state,
+        "verified_at": stamp.at if stamp is not None and stamp.ok else None,
+        "damaged_at": stamp.at if stamp is not None and not stamp.ok else None,
+        "problems": list(stamp.problems) if stamp is not None else [],
         "flushed": bool(flushed_to),
         "flushed_to": flushed_to,
     }

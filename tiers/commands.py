@@ -2,17 +2,18 @@
 
 They take tier objects and policies, never options or YAML: the command line (pipeline/cli.py)
 reads ``--config`` and ``--tier`` the way the runner reads its config and hands the tiers over.
-Each prints its results on stdout: rich tables (ls, inspect) or plain lines, one per checkpoint,
-or with ``as_json`` one JSON document for scripts; work that moves data draws a progress bar with
-bytes and GB/s on stderr when it is a terminal. Each returns the exit code: 0 when everything
-asked for was done, 1 when some checkpoint failed (each failure named). Bad requests raise
-:class:`UsageError` (exit code 2).
+Each prints its results on stdout: plain lines, one per checkpoint (ls and inspect: a table, drawn
+with rich on a terminal, plain padded columns otherwise, never cut), or with ``as_json`` one JSON
+document for scripts; work that moves data draws a progress bar with bytes and GB/s on stderr when
+it is a terminal. Each returns the exit code: 0 when everything asked for was done, 1 when some
+checkpoint failed (each failure named). Bad requests raise :class:`UsageError` (exit code 2).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+import os
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from .migrate import MigrateError, MigrateReport, migrate
 from .pacing import Pacer
 from .progress import byte_progress
 from .reader import CorruptCheckpointError
-from .retention import TierPolicies, collect_garbage, prune
+from .retention import Decision, TierPolicies, collect_garbage, prune
 from .verify import verify_step
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
@@ -48,8 +49,35 @@ def _emit(as_json: bool, documents: list[dict[str, Any]], lines: list[str]) -> N
     print(json.dumps(documents, indent=1) if as_json else "\n".join(lines))
 
 
-def _size(nbytes: int) -> str:
+def _size(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    """``0.44 GB/s``, or ``12.5 MB/s`` for slow copies (a paced migration, a network file system)."""
+    return _size(nbytes / seconds if seconds > 0 else 0) + "/s"
+
+
+def _table(
+    title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]], right: Collection[str] = ()
+) -> None:
+    """A table on stdout. On a terminal, drawn by rich, long cells folded onto more lines, never cut;
+    otherwise (a file, a pipe) plain lines in padded columns, each row whole on its line, for grep and awk."""
+    console = Console()
+    if console.is_terminal:
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column, justify="right" if column in right else "left", overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    widths = [max(len(cell) for cell in cells) for cells in zip(columns, *rows, strict=True)]
+    lines = [title] if title else []
+    for row in (columns, *rows):
+        cells = (c.rjust(w) if name in right else c.ljust(w) for c, w, name in zip(row, widths, columns, strict=True))
+        lines.append("  ".join(cells).rstrip())
+    print("\n".join(lines))
 
 
 # --- ls and inspect -----------------------------------------------------------------------------
@@ -67,14 +95,15 @@ def list_checkpoints(tiers: Sequence[FilesystemTier], as_json: bool) -> int:
     if as_json:
         print(json.dumps(entries, indent=1))
         return 0
-    table = Table(title="checkpoints")
-    for column in ("tier", "step", "state", "items", "stored bytes", "created"):
-        table.add_column(column)
-    for e in entries:
-        stored = f"{e['stored_bytes']:,}" if "stored_bytes" in e else ""
-        created = e.get("created", "")
-        table.add_row(e["tier"], str(e["step"]), state_text(e), str(e.get("items", "")), stored, created)
-    Console().print(table)
+    if not entries:
+        print(f"no checkpoints on {', '.join(t.name for t in tiers)}")
+        return 0
+    rows = [
+        (e["tier"], str(e["step"]), state_text(e), str(e.get("items", "")),
+         f"{e['stored_bytes']:,}" if "stored_bytes" in e else "", e.get("created", ""))
+        for e in entries
+    ]  # fmt: skip
+    _table(None, ("tier", "step", "state", "items", "stored bytes", "created"), rows, right={"items", "stored bytes"})
     return 0
 
 
@@ -93,12 +122,9 @@ def inspect_checkpoint(directory: Path, as_json: bool) -> int:
     if as_json:
         print(json.dumps({**summary(manifest), "item_table": rows}, indent=1))
         return 0
-    table = Table(title=f"step {manifest.step}: {len(rows)} items, {manifest.raw_bytes:,} bytes")
-    for column in ("key", "kind", "type", "shape", "bytes"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for row in rows:
-        table.add_row(row["key"], row["kind"], row["type"], row["shape"], f"{row['bytes']:,}")
-    Console().print(table)
+    title = f"step {manifest.step}: {len(rows)} items, {manifest.raw_bytes:,} bytes"
+    cells = [(row["key"], row["kind"], row["type"], row["shape"], f"{row['bytes']:,}") for row in rows]
+    _table(title, ("key", "kind", "type", "shape", "bytes"), cells, right={"bytes"})
     return 0
 
 
@@ -112,7 +138,7 @@ def _migrate_line(report: MigrateReport) -> str:
         body = f"{report.outcome} {report.frames_copied} of {report.frames} frames"
         if report.frames_reused:
             body += f" (resumed: {report.frames_reused} already there and verified)"
-        body += f", {_size(moved)} in {report.seconds:.2f} s ({report.gbps:.2f} GB/s), verified, published"
+        body += f", {_size(moved)} in {report.seconds:.2f} s ({_rate(moved, report.seconds)}), verified, published"
     return head + body + (", source deleted" if report.moved else "")
 
 
@@ -170,8 +196,7 @@ def verify_steps(tiers: Sequence[FilesystemTier], steps: Collection[int], as_jso
             continue
         documents.append(result.as_dict())
         if result.ok:
-            rate = result.bytes / result.seconds / 1e9 if result.seconds else 0.0
-            lines.append(f"{tier.name} step {step}: ok ({_size(result.bytes)}, {rate:.2f} GB/s)")
+            lines.append(f"{tier.name} step {step}: ok ({_size(result.bytes)}, {_rate(result.bytes, result.seconds)})")
         else:
             failed += 1
             lines.append(f"{tier.name} step {step}: FAILED")
@@ -181,18 +206,59 @@ def verify_steps(tiers: Sequence[FilesystemTier], steps: Collection[int], as_jso
 
 
 # --- prune and gc -------------------------------------------------------------------------------
+def _disk_bytes(directory: Path) -> int:
+    """The space the files of ``directory`` take on disk (holes left by frame alignment excluded), as du counts."""
+    try:
+        return sum(entry.stat().st_blocks * 512 for entry in os.scandir(directory) if entry.is_file())
+    except FileNotFoundError:
+        return 0
+
+
 def prune_tiers(
-    tiers: Sequence[TierPolicies], only: Collection[str], dry_run: bool = False, as_json: bool = False
+    tiers: Sequence[TierPolicies],
+    only: Collection[str],
+    dry_run: bool = False,
+    as_json: bool = False,
+    confirm: Callable[[str], bool] | None = None,
 ) -> int:
     """Apply the retention policies of the tiers named in ``only``; every tier's flush policy and
-    holdings decide what is still due somewhere."""
+    holdings decide what is still due somewhere. Says what each deletion frees. ``confirm``: asked
+    (with the question) before anything is deleted, after the plan is shown; None = do not ask."""
     if not any(p.retention.active for p in tiers if p.tier.name in only):
         raise UsageError("no retention policy: set tiers.NAME.retention in --config, or give --keep-last/--keep-every")
-    decisions = prune(tiers, dry_run=dry_run, only=only)
-    verb = "would delete" if dry_run else "deleted"
-    lines = [f"{d.tier} step {d.step}: {verb if d.delete else 'kept'} ({d.reason})" for d in decisions]
-    _emit(as_json, [d.as_dict() for d in decisions], lines or ["nothing to prune"])
+    sizes = {(p.tier.name, step): _disk_bytes(p.tier.step_dir(step))
+             for p in tiers if p.tier.name in only for step in p.tier.steps()}  # fmt: skip
+    if confirm is not None and not dry_run:
+        plan = prune(tiers, dry_run=True, only=only)
+        doomed = [d for d in plan if d.delete]
+        if not doomed:  # nothing to ask about, nor to delete unasked: the plan is the report
+            _report_pruning(plan, sizes, dry_run=True, as_json=as_json)
+            return 0
+        if not as_json:  # one JSON document on stdout, the result's; the question alone says enough
+            _report_pruning(plan, sizes, dry_run=True, as_json=False)
+        freed = _size(sum(sizes[d.tier, d.step] for d in doomed))
+        if not confirm(f"delete {len(doomed)} checkpoint{'s' if len(doomed) > 1 else ''}, freeing {freed}? [y/N] "):
+            _emit(as_json, [], ["nothing deleted"])
+            return 0
+    _report_pruning(prune(tiers, dry_run=dry_run, only=only), sizes, dry_run=dry_run, as_json=as_json)
     return 0
+
+
+def _report_pruning(
+    decisions: Sequence[Decision], sizes: dict[tuple[str, int], int], dry_run: bool, as_json: bool
+) -> None:
+    """One line per step (what was or would be deleted, and its size), then the space freed."""
+    verb = "would delete" if dry_run else "deleted"
+    lines = [
+        f"{d.tier} step {d.step}: {verb} {_size(sizes.get((d.tier, d.step), 0))} ({d.reason})"
+        if d.delete else f"{d.tier} step {d.step}: kept ({d.reason})"
+        for d in decisions
+    ]  # fmt: skip
+    if any(d.delete for d in decisions):
+        freed = sum(sizes.get((d.tier, d.step), 0) for d in decisions if d.delete)
+        lines.append(f"{'would free' if dry_run else 'freed'} {_size(freed)} in all")
+    documents = [{**d.as_dict(), "bytes": sizes.get((d.tier, d.step), 0)} for d in decisions]
+    _emit(as_json, documents, lines or ["nothing to prune"])
 
 
 def collect_leftovers(
@@ -207,12 +273,20 @@ def collect_leftovers(
 
 # --- export -------------------------------------------------------------------------------------
 def export_step(
-    tiers: Sequence[FilesystemTier], step: int, out: Path, fmt: ExportFormat, as_json: bool = False
+    tiers: Sequence[FilesystemTier],
+    step: int,
+    out: Path,
+    fmt: ExportFormat,
+    as_json: bool = False,
+    force: bool = False,
 ) -> int:
-    """Write checkpoint ``step`` to the single file ``out``, from the fastest of ``tiers`` whose copy is good."""
+    """Write checkpoint ``step`` to the single file ``out``, from the fastest of ``tiers`` whose copy is good;
+    an existing ``out`` is replaced only with ``force``."""
     holders = [tier for tier in tiers if step in tier.steps()]
     if not holders:
         raise UsageError(f"step {step}: no committed checkpoint on {', '.join(t.name for t in tiers)}")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UsageError(f"{out} exists; give --force to replace it")
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's
         try:

@@ -13,12 +13,18 @@ gives them); every byte is verified against its checksum on the way out.
   other types as raw unsigned integers of the same element size, objects as uint8 tensors of their
   encoded bytes. The header metadata (``tierstate.*`` keys, JSON values) names the real dtype of
   raw tensors, the serializer of objects, and the aliases, which are not stored twice.
+
+The file appears whole or not at all: it is written under a temporary name beside ``out`` and renamed
+over it when complete, with the permissions a new file gets here (0666 less the umask).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -35,7 +41,6 @@ from .pieces import read_records
 from .reader import read_items
 
 ExportFormat = Literal["hdf5", "safetensors"]
-EXPORT_FORMATS: tuple[str, ...] = ("hdf5", "safetensors")
 Progress = Callable[[int], None]
 
 _SAFETENSORS_NATIVE = {
@@ -94,48 +99,91 @@ def _item_bytes(
             yield key, whole.contiguous().reshape(-1).view(torch.uint8)
 
 
+@contextmanager
+def _written_whole(out: Path) -> Iterator[Path]:
+    """A temporary path beside ``out`` to write the file to; renamed to ``out`` once the block completes,
+    removed if it fails. It is created here, so it gets the usual mode (0666 less the umask) and keeps
+    it: safetensors writes a file of mode 0600 and moves it onto the path it is given."""
+    temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    os.close(fd)
+    try:
+        yield temporary
+        os.chmod(temporary, mode)
+        os.replace(temporary, out)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
 def export(
     directory: Path, manifest: Manifest, out: Path, fmt: ExportFormat, progress: Progress | None = None
 ) -> ExportReport:
-    """Write the checkpoint in ``directory`` to the file ``out`` as ``fmt``."""
+    """Write the checkpoint in ``directory`` to the file ``out`` (replacing it) as ``fmt``."""
     view, records, aliases = _logical_items(directory, manifest)
-    attrs = {"step": manifest.step, "created": manifest.created}
     out.parent.mkdir(parents=True, exist_ok=True)
-    total = 0
-    if fmt == "hdf5":
-        container = Hdf5Container(out, 4096, attrs)
-        try:
-            for key, record in records.items():
-                if isinstance(record, TensorRecord):
-                    container.add_tensor(key, record.dtype, record.shape, record.shard)
-                else:
-                    container.add_object(key, record.serializer, record.length)
-            for key, data in _item_bytes(directory, manifest, view, records):
-                write_sliced(container, str(key), data, progress)
-                total += data.numel()
-            for key, target in aliases.items():
-                container.add_alias(key, target)
-            container.finish()
-        except BaseException:
-            container.close()
-            out.unlink(missing_ok=True)
-            raise
-    else:
-        tensors: dict[str, torch.Tensor] = {}
-        raw: dict[str, dict[str, object]] = {}
-        for key, data in _item_bytes(directory, manifest, view, records):
-            tensors[str(key)], note = _safetensor(records[str(key)], data)
-            if note:
-                raw[str(key)] = note
-            total += data.numel()
-            if progress is not None:
-                progress(data.numel())
-        objects = {k: r.serializer for k, r in records.items() if isinstance(r, ObjectRecord)}
-        metadata = {f"tierstate.{k}": json.dumps(v) for k, v in attrs.items()}
-        metadata |= {"tierstate.objects": json.dumps(objects), "tierstate.raw": json.dumps(raw)}
-        metadata["tierstate.aliases"] = json.dumps(aliases)
-        save_file(tensors, str(out), metadata=metadata)
+    with _written_whole(out) as path:
+        write = _write_hdf5 if fmt == "hdf5" else _write_safetensors
+        total = write(path, directory, manifest, view, records, aliases, progress)
     return ExportReport(manifest.step, fmt, out, len(records) + len(aliases), total)
+
+
+def _write_hdf5(
+    path: Path,
+    directory: Path,
+    manifest: Manifest,
+    view: Manifest,
+    records: dict[str, TensorRecord | ObjectRecord],
+    aliases: dict[str, str],
+    progress: Progress | None,
+) -> int:
+    container = Hdf5Container(path, 4096, {"step": manifest.step, "created": manifest.created})
+    total = 0
+    try:
+        for key, record in records.items():
+            if isinstance(record, TensorRecord):
+                container.add_tensor(key, record.dtype, record.shape, record.shard)
+            else:
+                container.add_object(key, record.serializer, record.length)
+        for key, data in _item_bytes(directory, manifest, view, records):
+            write_sliced(container, str(key), data, progress)
+            total += data.numel()
+        for key, target in aliases.items():
+            container.add_alias(key, target)
+        container.finish()
+    except BaseException:
+        container.close()
+        raise
+    return total
+
+
+def _write_safetensors(
+    path: Path,
+    directory: Path,
+    manifest: Manifest,
+    view: Manifest,
+    records: dict[str, TensorRecord | ObjectRecord],
+    aliases: dict[str, str],
+    progress: Progress | None,
+) -> int:
+    tensors: dict[str, torch.Tensor] = {}
+    raw: dict[str, dict[str, object]] = {}
+    total = 0
+    for key, data in _item_bytes(directory, manifest, view, records):
+        tensors[str(key)], note = _safetensor(records[str(key)], data)
+        if note:
+            raw[str(key)] = note
+        total += data.numel()
+        if progress is not None:
+            progress(data.numel())
+    objects = {k: r.serializer for k, r in records.items() if isinstance(r, ObjectRecord)}
+    attrs = {"step": manifest.step, "created": manifest.created}
+    metadata = {f"tierstate.{k}": json.dumps(v) for k, v in attrs.items()}
+    metadata |= {"tierstate.objects": json.dumps(objects), "tierstate.raw": json.dumps(raw)}
+    metadata["tierstate.aliases"] = json.dumps(aliases)
+    save_file(tensors, str(path), metadata=metadata)
+    return total
 
 
 def _safetensor(record: TensorRecord | ObjectRecord, data: torch.Tensor) -> tuple[torch.Tensor, dict[str, object]]:

@@ -211,11 +211,12 @@ def _convert(
     report: MigrateReport,
     fmt: Format,
     align: int,
+    pacer: Pacer | None,
     progress: Progress | None,
 ) -> Manifest:
-    """Another format: rewrite from scratch and verify the result; its new manifest."""
+    """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest."""
     _remove_strays(partial, set())
-    published = rewrite(source_dir, manifest, partial, fmt, align, progress)
+    published = rewrite(source_dir, manifest, partial, fmt, align, _paced(progress, pacer))
     problems = verify_directory(partial, published)
     if problems:
         raise MigrateError(f"{partial}: the rewritten checkpoint fails verification: {problems[0]}")
@@ -223,6 +224,27 @@ def _convert(
     report.frames = report.frames_copied = sum(len(f.frames) for f in published.files.values())
     report.bytes_copied = published.stored_bytes
     return published
+
+
+def _paced(progress: Progress | None, pacer: Pacer | None) -> Progress | None:
+    """``progress``, also holding the writer to ``pacer``'s rate after each piece it reports."""
+    if pacer is None:
+        return progress
+
+    def advance(nbytes: int) -> None:
+        if progress is not None:
+            progress(nbytes)
+        pacer.wait(nbytes)
+
+    return advance
+
+
+def _unpublish(target: FilesystemTier, step: int) -> None:
+    """Delete the target's copy of ``step`` (in another format) so that the rewritten one takes its name."""
+    try:
+        delete_step(target, step)
+    except InUseError:
+        raise MigrateError(f"step {step} on {target.name} is being read; not replacing it now") from None
 
 
 def _publish(
@@ -234,7 +256,10 @@ def _publish(
     align: int,
     pacer: Pacer | None,
     progress: Progress | None,
+    replacing: bool = False,
 ) -> None:
+    """Copy or rewrite into the partial directory, then commit; ``replacing``: the target holds the step in
+    the other format, removed just before the commit (the source keeps the checkpoint meanwhile)."""
     partial = target.partial_dir(manifest.step)
     partial.mkdir(parents=True, exist_ok=True)
     try:
@@ -242,8 +267,10 @@ def _publish(
             if fmt == container_format(manifest, str(source_dir)):
                 published = _copy_all(source_dir, manifest, partial, report, pacer, progress)
             else:
-                published = _convert(source_dir, manifest, partial, report, fmt, align, progress)
+                published = _convert(source_dir, manifest, partial, report, fmt, align, pacer, progress)
             _remove_strays(partial, set(published.files) | set(published.indexes))
+            if replacing:
+                _unpublish(target, manifest.step)
             report.path = target.commit(manifest.step, published)
     except InUseError:
         raise MigrateError(f"step {manifest.step} is being migrated to {target.name} by another process") from None
@@ -263,7 +290,8 @@ def migrate(
 ) -> MigrateReport:
     """Copy (``move``: then delete from ``source``) committed checkpoint ``step`` to ``target``.
 
-    ``fmt`` rewrites it as ``frames`` or ``hdf5``; None keeps its format. Raises MigrateError,
+    ``fmt`` rewrites it as ``frames`` or ``hdf5`` (also a copy the target holds in the other format);
+    None keeps its format. Raises MigrateError,
     CorruptCheckpointError (the source is damaged), ManifestError or OSError; never leaves the
     target with a committed but incomplete checkpoint.
     """
@@ -277,20 +305,20 @@ def migrate(
     with reading(source_dir):
         manifest = source.manifest(step)
         wanted = fmt or container_format(manifest, str(source_dir))
-        if step in target.steps():
-            existing = target.manifest(step)
-            if not same_checkpoint(existing, manifest):
-                raise MigrateError(
-                    f"tier {target.name} already holds a different checkpoint for step {step} "
-                    f"(created {existing.created}; the one on {source.name} was created {manifest.created})"
-                )
+        existing = target.manifest(step) if step in target.steps() else None
+        if existing is not None and not same_checkpoint(existing, manifest):
+            raise MigrateError(
+                f"tier {target.name} already holds a different checkpoint for step {step} "
+                f"(created {existing.created}; the one on {source.name} was created {manifest.created})"
+            )
+        if existing is not None and (fmt is None or fmt == container_format(existing, str(report.path))):
             report.outcome = "already there"
             if move:  # the source goes away, so the copy that stays must be proven good first
                 problems = verify_directory(report.path, existing)
                 if problems:
                     raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
         else:
-            _publish(source_dir, manifest, target, report, wanted, align, pacer, progress)
+            _publish(source_dir, manifest, target, report, wanted, align, pacer, progress, existing is not None)
     if move:
         delete_step(source, step)
         report.moved = True

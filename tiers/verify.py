@@ -1,10 +1,11 @@
 """Recomputing every checksum of a committed checkpoint, without decoding or loading anything.
 
 Restore verifies only the frames it reads; ``verify`` reads them all (data frames, the HDF5
-library's own bytes, the indexes) and names each bad one by file, frame and byte range. A clean
-pass leaves a stamp (``verified.json``: when, and for which manifest) that ``tierstate ls`` shows
-as state ``verified``; a failed pass removes it. The stamp is advisory: it is not part of the
-checkpoint, is never copied, and means only "was intact when last checked".
+library's own bytes, the indexes) and names each bad one by file, frame and byte range. Each pass
+leaves a stamp (``verified.json``: for which manifest, when, and what was wrong) that ``tierstate
+ls`` shows as state ``verified`` or ``damaged``, until the next pass replaces it. The stamp is
+advisory: it is not part of the checkpoint, is never copied, and means only "was intact (or not)
+when last checked".
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,17 +88,36 @@ def _manifest_id(directory: Path) -> str:
     return checksum((directory / MANIFEST_NAME).read_bytes())
 
 
-def write_stamp(directory: Path) -> None:
-    """Record that the checkpoint in ``directory`` has just passed a full verification."""
-    stamp = {"manifest": _manifest_id(directory), "verified_at": now_iso()}
+@dataclass(frozen=True)
+class Stamp:
+    """What the last full verification of a checkpoint (of this very manifest) found, and when."""
+
+    ok: bool
+    at: str
+    problems: tuple[str, ...] = ()
+
+
+def write_stamp(directory: Path, problems: Sequence[Problem] = ()) -> None:
+    """Record that the checkpoint in ``directory`` has just passed a full verification, or failed it with
+    ``problems``."""
+    stamp: dict[str, object] = {"manifest": _manifest_id(directory)}
+    if problems:
+        stamp |= {"damaged_at": now_iso(), "problems": [str(p) for p in problems]}
+    else:
+        stamp["verified_at"] = now_iso()
     write_durably(directory / STAMP_NAME, json.dumps(stamp).encode())
 
 
-def read_stamp(directory: Path) -> str | None:
-    """When the checkpoint (this very manifest) last passed verification, or None."""
+def read_stamp(directory: Path) -> Stamp | None:
+    """What the last verification of the checkpoint (this very manifest) found, or None if it was not
+    verified since the manifest was written."""
     try:
         stamp = json.loads((directory / STAMP_NAME).read_bytes())
-        return stamp["verified_at"] if stamp["manifest"] == _manifest_id(directory) else None
+        if stamp["manifest"] != _manifest_id(directory):
+            return None
+        if "damaged_at" in stamp:
+            return Stamp(False, stamp["damaged_at"], tuple(stamp["problems"]))
+        return Stamp(True, stamp["verified_at"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -140,9 +160,7 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
         else:
             result.bytes = manifest.stored_bytes
             result.problems = verify_directory(directory, manifest, progress)
-        if result.ok:
-            write_stamp(directory)
-        else:
-            (directory / STAMP_NAME).unlink(missing_ok=True)
+        if (directory / MANIFEST_NAME).is_file():  # a damaged copy stays marked until a pass finds it clean
+            write_stamp(directory, result.problems)
     result.seconds = time.perf_counter() - started
     return result

@@ -3,46 +3,95 @@
 This module is the public API; import from here (``from tierstate import Runner``). The
 subpackages ``tierstate.pipeline`` (how bytes move), ``tierstate.providers`` (what state is) and
 ``tierstate.tiers`` (where bytes live) are the implementation and may change between releases.
+
+The names are imported on first use (PEP 562): importing torch takes seconds, and the ``tierstate``
+command, which runs this module first, must answer ``--help`` and ``--version`` without it.
 """
 
+from __future__ import annotations
+
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from tierstate.errors import TierstateError
-from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
-from tierstate.pipeline.distributed import CheckpointAborted
-from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
-from tierstate.pipeline.restore import NoCheckpointError, RestoreResult
-from tierstate.pipeline.runner import CaptureChangedError, Runner, RunnerClosedError
-from tierstate.providers import (
-    ChildRestoreError,
-    CompositeProvider,
-    ModuleProvider,
-    ObjectItem,
-    ObjectProvider,
-    OptimizerProvider,
-    RestoreError,
-    RNGProvider,
-    ShardInfo,
-    StatefulProvider,
-    StateProvider,
-    TensorDictProvider,
-    TensorItem,
-)
-from tierstate.tiers.codecs import CodecError
-from tierstate.tiers.commands import UsageError
-from tierstate.tiers.dtypes import UnknownDtypeError
-from tierstate.tiers.filesystem import CheckpointExistsError, TierError, TierInUseError
-from tierstate.tiers.format import ManifestError, read_manifest
-from tierstate.tiers.hdf5 import Hdf5LayoutError
-from tierstate.tiers.locks import InUseError
-from tierstate.tiers.migrate import MigrateError
-from tierstate.tiers.objcodec import ObjectCodecError
-from tierstate.tiers.reader import CorruptCheckpointError, load
+
+if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interpreter the same
+    from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
+    from tierstate.pipeline.distributed import CheckpointAborted
+    from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
+    from tierstate.pipeline.restore import NoCheckpointError, RestoreResult
+    from tierstate.pipeline.runner import CaptureChangedError, Runner, RunnerClosedError
+    from tierstate.providers import (
+        ChildRestoreError,
+        CompositeProvider,
+        ModuleProvider,
+        ObjectItem,
+        ObjectProvider,
+        OptimizerProvider,
+        RestoreError,
+        RNGProvider,
+        ShardInfo,
+        StatefulProvider,
+        StateProvider,
+        TensorDictProvider,
+        TensorItem,
+    )
+    from tierstate.tiers.codecs import CodecError
+    from tierstate.tiers.commands import UsageError
+    from tierstate.tiers.dtypes import UnknownDtypeError
+    from tierstate.tiers.filesystem import CheckpointExistsError, TierError, TierInUseError
+    from tierstate.tiers.format import ManifestError, read_manifest
+    from tierstate.tiers.hdf5 import Hdf5LayoutError
+    from tierstate.tiers.locks import InUseError
+    from tierstate.tiers.migrate import MigrateError
+    from tierstate.tiers.objcodec import ObjectCodecError
+    from tierstate.tiers.reader import CorruptCheckpointError, load
+
+# Where the public names live: imported from there on first use.
+_HOMES = {
+    "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config"),
+    "tierstate.pipeline.distributed": ("CheckpointAborted",),
+    "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
+    "tierstate.pipeline.restore": ("NoCheckpointError", "RestoreResult"),
+    "tierstate.pipeline.runner": ("CaptureChangedError", "Runner", "RunnerClosedError"),
+    "tierstate.providers": (
+        "ChildRestoreError", "CompositeProvider", "ModuleProvider", "ObjectItem", "ObjectProvider",
+        "OptimizerProvider", "RestoreError", "RNGProvider", "ShardInfo", "StatefulProvider", "StateProvider",
+        "TensorDictProvider", "TensorItem",
+    ),
+    "tierstate.tiers.codecs": ("CodecError",),
+    "tierstate.tiers.commands": ("UsageError",),
+    "tierstate.tiers.dtypes": ("UnknownDtypeError",),
+    "tierstate.tiers.filesystem": ("CheckpointExistsError", "TierError", "TierInUseError"),
+    "tierstate.tiers.format": ("ManifestError", "read_manifest"),
+    "tierstate.tiers.hdf5": ("Hdf5LayoutError",),
+    "tierstate.tiers.locks": ("InUseError",),
+    "tierstate.tiers.migrate": ("MigrateError",),
+    "tierstate.tiers.objcodec": ("ObjectCodecError",),
+    "tierstate.tiers.reader": ("CorruptCheckpointError", "load"),
+}  # fmt: skip
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 try:
     __version__ = version("tierstate")
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use, then keep the name here."""
+    home = _HOME_OF.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tierstate' has no attribute {name!r}")
+    value = getattr(import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME_OF})
+
 
 __all__ = [
     "CaptureChangedError",

@@ -1,0 +1,123 @@
+"""tierstate as people install it: a wheel with its configs, license and metadata, used from a
+directory that has nothing to do with this checkout; and a facade that loads torch only when used."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import tierstate
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What the README's embedding example leaves to the reader: a model whose output has a .loss, its
+# optimizer and scheduler, batches and a step count. The example itself runs as the README has it.
+PRELUDE = '''
+from types import SimpleNamespace
+
+import torch
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return SimpleNamespace(loss=self.layer(x).pow(2).mean())
+
+
+model = TinyModel()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=50)
+steps = 200
+
+
+def batch():
+    return torch.randn(4, 8)
+'''
+
+EPILOGUE = '''
+import os
+import tierstate
+print("tierstate from", tierstate.__file__)
+print("checkpoints", sorted(os.listdir("checkpoints/nvme")), "step", counters["step"])
+'''
+
+
+def _embedding_example() -> str:
+    """The first Python block of the README's "Embedding the runner" section, verbatim."""
+    section = (REPO / "README.md").read_text().split("## Embedding the runner", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unrelated_directory(tmp_path: Path):
+    dist, site, work = tmp_path / "dist", tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    # Built in isolation, as pip builds for users: with the setuptools pyproject.toml asks for, not the venv's.
+    subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    [wheel] = dist.glob("tierstate-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {f"tierstate/configs/{name}.yaml" for name in ("default", "tiered", "compressed")} <= set(names)
+    assert {"tierstate/py.typed", f"tierstate-{tierstate.__version__}.dist-info/licenses/LICENSE"} <= set(names)
+    metadata = zipfile.ZipFile(wheel).read(f"tierstate-{tierstate.__version__}.dist-info/METADATA").decode()
+    for field in ("License-Expression: Apache-2.0", "Requires-Dist: torch>=2.5", "Classifier: Typing :: Typed",
+                  "Classifier: Programming Language :: Python :: 3.11"):  # fmt: skip
+        assert field in metadata
+    subprocess.run([*pip, "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+
+    (work / "example.py").write_text(PRELUDE + _embedding_example() + EPILOGUE)
+    env = {"PYTHONPATH": str(site), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # no checkout on the path
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, *args], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = run("example.py")
+    assert f"tierstate from {site / 'tierstate' / '__init__.py'}" in out
+    assert "checkpoints ['step-100', 'step-200'] step 200" in out
+    assert (work / "checkpoints" / "nvme" / "step-200" / "manifest.json").is_file()
+    listed = run("-m", "tierstate", "ls", "--config", "default").splitlines()
+    assert [line.split()[:3] for line in listed[1:]] == [["nvme", "100", "committed"], ["nvme", "200", "committed"]]
+    assert run("-m", "tierstate", "--version") == f"tierstate {tierstate.__version__}\n"
+    run("-m", "tierstate", "init")
+    assert (work / "default.yaml").read_text() == (REPO / "configs" / "default.yaml").read_text()
+
+
+def test_the_facade_names_each_public_name_once_for_the_interpreter_and_for_type_checkers() -> None:
+    """``_HOMES`` (where ``__getattr__`` imports a name from) and the ``TYPE_CHECKING`` imports (what type
+    checkers and editors read) must say the same, and ``__all__`` must list exactly those names."""
+    tree = ast.parse((REPO / "tierstate" / "__init__.py").read_text())
+    [block] = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    typed = {(alias.name, node.module) for node in block.body for alias in node.names}
+    homes = {(name, module) for module, names in tierstate._HOMES.items() for name in names}
+    assert typed == homes
+    assert sorted(tierstate.__all__) == sorted([name for name, _ in homes] + ["TierstateError", "__version__"])
+    for name, module in homes:
+        assert getattr(tierstate, name) is getattr(sys.modules[module], name)
+    assert "Runner" in dir(tierstate)
+    with pytest.raises(AttributeError, match="module 'tierstate' has no attribute 'Runer'"):
+        tierstate.Runer  # noqa: B018
+
+
+def test_importing_tierstate_loads_no_torch_until_a_name_needs_it() -> None:
+    probe = (
+        "import sys, tierstate\n"
+        "before = 'torch' in sys.modules\n"
+        "tierstate.Runner\n"
+        "print(before, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout == "False True\n"
