@@ -9,6 +9,7 @@ import torch
 
 from .base import fresh_keys
 from .items import Item, Serializer, TensorItem
+from .optimizer_check import check_optimizer_state
 from .stateful import StatefulProvider
 
 
@@ -37,6 +38,10 @@ class OptimizerProvider(StatefulProvider):
             if isinstance(item, TensorItem):
                 item.changes = "step"
         return items
+
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Parameter groups and state shapes against the live optimizer, before anything is restored."""
+        check_optimizer_state(self._owner, self.optimizer, state)
 
     def restore(self, state: Mapping[str, Any]) -> None:
         # The optimizer's tensors before loading: where one matches a loaded value, the value is copied
