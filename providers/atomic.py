@@ -1,7 +1,8 @@
 """Restoring several providers as one: every one of them, or none (the rule is in providers/base.py).
 
-The three steps are separate so that many ranks can agree between them: every rank checks, then
-every rank applies, and a rank whose peers failed to apply undoes what it applied.
+The steps are separate so that many ranks can agree between them: every rank checks, then every
+rank restores the providers without ``check``, then the checked ones; a rank whose peers failed
+a step undoes what it restored.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ class ChildRestoreError(RestoreError):
 
 
 class AtomicRestore:
-    """One restore of several providers: :meth:`check` them all, then :meth:`apply`, or :meth:`undo` it."""
+    """One restore of several providers: :meth:`check` them all, then :meth:`restore` them, or :meth:`undo` it."""
 
     def __init__(self, parts: Sequence[Part]) -> None:
         self.parts = list(parts)
-        self._applied: list[tuple[str, StateProvider, ReadState | None]] = []  # with each one's snapshot
+        self._snapshots: list[tuple[str, StateProvider, ReadState]] = []  # of the providers restored so far
 
     def check(self) -> None:
         """Every checked provider compares the state with its live state; nothing is changed."""
@@ -43,39 +44,52 @@ class AtomicRestore:
                 with _naming(path):
                     provider.check(state)
 
-    def apply(self) -> None:
-        """Restore every provider, those without ``check`` first, each after a snapshot of it.
+    def restore(self) -> None:
+        """Restore every provider: those without ``check`` first, each after a snapshot of it, then the checked ones.
 
         If one fails, every provider restored so far (the failing one included) is put back from
         its snapshot before the error is raised; a rollback that fails too is noted on the error.
         """
-        unchecked_first = sorted(self.parts, key=lambda part: isinstance(part[1], CheckedProvider))
-        for path, provider, state in unchecked_first:
-            snapshot = None if isinstance(provider, CheckedProvider) else _snapshot(path, provider)
-            self._applied.append((path, provider, snapshot))
-            try:
-                with _naming(path):
-                    provider.restore(state)
-            except Exception as exc:
-                exc.add_note(f"while restoring provider {path!r}; the providers restored before it were put back")
-                for problem in self.undo():
-                    exc.add_note(problem)
-                raise
+        self.restore_unchecked()
+        self.restore_checked()
+
+    def restore_unchecked(self) -> None:
+        """The first half of :meth:`restore`: the providers without ``check``, each after a snapshot of it."""
+        for path, provider, state in self.parts:
+            if not isinstance(provider, CheckedProvider):
+                snapshot = _snapshot(path, provider)
+                if snapshot is not None:
+                    self._snapshots.append((path, provider, snapshot))
+                self._restore(path, provider, state)
+
+    def restore_checked(self) -> None:
+        """The second half of :meth:`restore`: the checked providers, which promised to succeed."""
+        for path, provider, state in self.parts:
+            if isinstance(provider, CheckedProvider):
+                self._restore(path, provider, state)
+
+    def _restore(self, path: str, provider: StateProvider, state: Mapping[str, Any]) -> None:
+        try:
+            with _naming(path):
+                provider.restore(state)
+        except Exception as exc:
+            exc.add_note(f"while restoring provider {path!r}; the providers without check were put back")
+            for problem in self.undo():
+                exc.add_note(problem)
+            raise
 
     def undo(self) -> list[str]:
-        """Put back every provider :meth:`apply` restored that has a snapshot, newest first.
+        """Put back every provider without ``check`` that :meth:`restore` restored, newest first.
 
         Returns what could not be put back (a provider whose restore of its own snapshot failed).
         """
         problems = []
-        for path, provider, snapshot in reversed(self._applied):
-            if snapshot is None:
-                continue
+        for path, provider, snapshot in reversed(self._snapshots):
             try:
                 provider.restore(snapshot)
             except Exception as exc:
                 problems.append(f"rolling back provider {path!r} failed too, its state is undefined: {exc!r}")
-        self._applied = []
+        self._snapshots = []
         return problems
 
 

@@ -65,7 +65,7 @@ class CompositeProvider:
         """Check every provider, then restore them all; if any fails, every one is left as it was."""
         restoring = self.restoring(state)
         restoring.check()
-        restoring.apply()
+        restoring.restore()
 
     def restoring(self, state: Mapping[str, Any]) -> AtomicRestore:
         """The restore of ``state`` into every provider of the tree, in steps (for ranks that agree between them)."""
