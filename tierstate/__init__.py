@@ -11,7 +11,7 @@ from tierstate.errors import TierstateError
 from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
 from tierstate.pipeline.distributed import CheckpointAborted
 from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
-from tierstate.pipeline.restore import NoCheckpointError, RestoreResult
+from tierstate.pipeline.restore import NoCheckpointError, NothingToRestoreError, RestoreResult
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import (
     ChildRestoreError,
@@ -61,6 +61,7 @@ __all__ = [
     "MigrateError",
     "ModuleProvider",
     "NoCheckpointError",
+    "NothingToRestoreError",
     "ObjectCodecError",
     "ObjectItem",
     "ObjectProvider",
