@@ -121,31 +121,20 @@ def saved(make_runner: Callable[..., Runner]) -> Callable[[Trainer], Runner]:
     return restoring_into
 
 
-def test_a_layer_of_another_shape_changes_nothing(saved) -> None:
-    trainer = Trainer(seed=1, hidden=24)
-    runner = saved(trainer)
+@pytest.mark.parametrize(
+    ("shape", "extra", "message"),
+    [
+        ({"hidden": 24}, {}, r"provider 'model'.*2\.weight: checkpoint float32\[16, 16\], live float32\[24, 16\]"),
+        ({"groups": 2}, {}, r"provider 'optim'.*1 parameter group\(s\) of \[6\] parameters, the optimizer 2 of \[2, 4"),
+        ({}, {"extra": lambda: TensorDictProvider({"w": torch.ones(3)})}, r"provider 'extra': .* lacks 1 item\(s\): w"),
+    ],
+    ids=["a layer of another shape", "other param groups", "a provider the checkpoint lacks"],
+)
+def test_a_checked_provider_that_does_not_fit_changes_nothing(saved, shape, extra, message) -> None:
+    trainer = Trainer(seed=1, **shape)
+    runner = saved(trainer, **{name: make() for name, make in extra.items()})
     before = trainer.everything()
-    message = r"provider 'model'.*2\.weight: checkpoint float32\[16, 16\], live float32\[24, 16\]"
     with pytest.raises(RestoreError, match=message):
-        runner.restore("latest")
-    assert_unchanged(trainer, before)
-
-
-def test_other_param_groups_change_nothing(saved) -> None:
-    trainer = Trainer(seed=1, groups=2)
-    runner = saved(trainer)
-    before = trainer.everything()
-    message = r"provider 'optim'.*1 parameter group\(s\) of \[6\] parameters, the optimizer 2 of \[2, 4\]"
-    with pytest.raises(RestoreError, match=message):
-        runner.restore("latest")
-    assert_unchanged(trainer, before)
-
-
-def test_a_provider_the_checkpoint_lacks_changes_nothing(saved) -> None:
-    trainer = Trainer(seed=1)
-    runner = saved(trainer, extra=TensorDictProvider({"w": torch.ones(3)}))
-    before = trainer.everything()
-    with pytest.raises(RestoreError, match=r"provider 'extra': TensorDictProvider: checkpoint lacks 1 item\(s\): w"):
         runner.restore("latest")
     assert_unchanged(trainer, before)
 
