@@ -15,36 +15,56 @@ Why split-then-broadcast rather than one reader per node: the reads, checksums a
 shared bytes are spread over every rank (as the writes were), and the node's storage sees each
 byte once either way. Objects (small Python values) are read by every rank that needs them.
 
-Every step of the way is agreed on: rank 0 picks the step, and a copy is used only if every rank
-read its part of it cleanly, so all ranks restore the same step from the same tier or all fail.
+Every step of the way is agreed on, so that no rank is ever left waiting in a collective: the
+ranks exchange which steps their tiers hold and take the newest one every rank holds (tiers may
+differ between ranks: a node's own NVMe, a shared PFS); a copy is used only if every rank read its
+part of it cleanly (a rank that could not moves on to its next copy of the step); and the
+providers are restored only if every rank's check passed, and kept only if every rank's restore
+succeeded. So all ranks restore the same step or all fail with the same error.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import logging
+import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..providers.base import RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
 from ..tiers.boxes import Box
 from ..tiers.dtypes import dtype_from_name
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import Manifest, ObjectRecord, PerRankRecord, stored_key
+from ..tiers.locks import reading
 from ..tiers.multirank import rank_view
 from ..tiers.names import data_file_rank
-from ..tiers.reader import CorruptCheckpointError, read_items
+from ..tiers.reader import read_items
 from ..tiers.reshard import Region, global_shape, read_regions, source_files
 from .assign import balance
 from .distributed import CheckpointGroup
-from .restore import NoCheckpointError, RestoreResult, resolve_step, restore_into
+from .restore import (
+    NoCheckpointError,
+    NothingToRestoreError,
+    RestoreResult,
+    candidate_steps,
+    checked_target,
+    unusable,
+)
 
 RegionId = tuple[str, tuple[int, ...], tuple[int, ...]]  # stored key, box offsets, box shape
 Offer = tuple[int, int | None]  # a shareable region's bytes, and the rank whose file alone holds it
+Failure = tuple[int, str, str, bool]  # a rank that could not read its copy: rank, why, its tier, has it another
 SLOT_ALIGN = 64
+
+log = logging.getLogger("tierstate")
 
 
 def restore_across_ranks(
@@ -55,20 +75,127 @@ def restore_across_ranks(
     allow_pickle: bool,
     fallback: bool = False,
 ) -> RestoreResult:
-    """Every rank restores the same step, rank 0's choice, each getting its own part of it."""
-    choice: int | tuple[str, str] | None = None
-    if group.is_leader:
-        try:
-            choice = resolve_step(tiers, which)
-        except (NoCheckpointError, ValueError) as exc:
-            choice = (type(exc).__name__, str(exc))
-    choice = group.from_leader(choice, "restore: choosing the step")
-    if isinstance(choice, tuple):
-        kind, message = choice
-        raise (NoCheckpointError if kind == NoCheckpointError.__name__ else ValueError)(f"rank 0: {message}")
+    """Every rank restores the same step, each getting its own part of it, or every rank fails alike.
+
+    The ranks first tell each other which steps their tiers hold and restore the newest one all
+    hold (or ``which``); each rank reads it from its own fastest copy. A copy a rank cannot read
+    sends that rank to its next copy of the step while the others read theirs again.
+    """
+    holdings = group.all_gather(_Holdings.of(tiers, which, fallback), "restore: which steps each rank holds")
+    wanted, candidates, problems = _agreed_candidates(holdings)
     reader = _CollectiveRead(group, provider, allow_pickle)
-    result = restore_into(provider, tiers, choice, allow_pickle, fallback=fallback, read=reader)
-    return dataclasses.replace(result, bytes_read=reader.bytes_read)  # this rank's reads, not the whole copy
+    for step in candidates:
+        started = time.perf_counter()
+        copies = [tier for tier in tiers if step in holdings[group.rank].steps[tier.name]]
+        read = reader.read_step(step, copies, problems)
+        if read is None:
+            continue
+        tier, state = read
+        if problems:
+            log.warning("restore: %s; restoring step %d", "; ".join(problems), step)
+        _apply_on_every_rank(group, provider, state, f"restore step {step}")
+        seconds = time.perf_counter() - started
+        # bytes_read: this rank's reads, not the whole copy
+        return RestoreResult(step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems))
+    raise NoCheckpointError(unusable(wanted, fallback, problems))
+
+
+@dataclass(frozen=True)
+class _Holdings:
+    """What one rank asks to restore and which committed steps each of its tiers holds, sent to every rank."""
+
+    which: int | str
+    fallback: bool
+    steps: dict[str, list[int]]  # by tier name
+    roots: dict[str, str]
+    unlisted: dict[str, str]  # the tiers this rank could not list, and why (taken as holding nothing)
+
+    @classmethod
+    def of(cls, tiers: list[FilesystemTier], which: int | str, fallback: bool) -> _Holdings:
+        steps, unlisted = {}, {}
+        for tier in tiers:
+            try:
+                steps[tier.name] = tier.steps()
+            except OSError as exc:
+                steps[tier.name], unlisted[tier.name] = [], f"{type(exc).__name__}: {exc}"
+        return cls(which, fallback, steps, {t.name: str(t.root) for t in tiers}, unlisted)
+
+    @property
+    def held(self) -> set[int]:
+        return {step for steps in self.steps.values() for step in steps}
+
+    def __str__(self) -> str:
+        shown = (f"{name}={self.roots[name]} {self.unlisted.get(name, steps)}" for name, steps in self.steps.items())
+        return ", ".join(shown)
+
+
+def _agreed_candidates(holdings: list[_Holdings]) -> tuple[int, list[int], list[str]]:
+    """The step asked for, the steps to try in order, and why newer ones are left out.
+
+    Computed alike on every rank from the same holdings, so every rank goes on or every rank
+    raises the same error, naming what each rank holds.
+    """
+    if len({(h.which, h.fallback) for h in holdings}) > 1:
+        each = ", ".join(f"rank {r}: ({h.which!r}, fallback={h.fallback})" for r, h in enumerate(holdings))
+        raise ValueError(f"restore: the ranks asked for different checkpoints: {each}")
+    which, fallback = holdings[0].which, holdings[0].fallback
+    held = [h.held for h in holdings]
+    anyone, everyone = set.union(*held), set.intersection(*held)
+    by_rank = "; ".join(f"rank {r}: {h}" for r, h in enumerate(holdings))
+    if checked_target(which) == "latest":
+        if not anyone:
+            raise NothingToRestoreError(f"no committed checkpoint on any tier of any rank ({by_rank})")
+        if not everyone:
+            raise NoCheckpointError(f"restore latest: no step is committed on a tier of every rank ({by_rank})")
+    wanted = candidate_steps(everyone, which, fallback)[0]
+    problems = []
+    skipped = {s for s in anyone if s > wanted} if which == "latest" else set()  # newer steps some rank lacks
+    for step in sorted(skipped | {wanted}):
+        lacking = [str(rank) for rank, steps in enumerate(held) if step not in steps]
+        if lacking:
+            problems.append(f"step {step} is not on every rank: rank(s) {', '.join(lacking)} lack it")
+    candidates = [step for step in candidate_steps(everyone, wanted, fallback) if step in everyone]
+    if not candidates:
+        raise NoCheckpointError(f"{unusable(wanted, fallback, problems)} ({by_rank})")
+    return wanted, candidates, problems
+
+
+def _apply_on_every_rank(group: CheckpointGroup, provider: CompositeProvider, state: dict, where: str) -> None:
+    """Check, then restore, on every rank in agreed steps: if any rank fails one, every rank is left as it was.
+
+    The providers without ``check`` are restored (and can be put back) before the checked ones, which
+    promised to succeed and so are restored only once every rank restored the others.
+    """
+    restoring = provider.restoring(state)
+    _agree(group, f"{where}: checking the state", _attempt(restoring.check))
+    for what, step in (
+        ("the providers without check", restoring.restore_unchecked),
+        ("the others", restoring.restore_checked),
+    ):
+        problem = _attempt(step)  # a rank that fails here has already put its providers back
+        try:
+            _agree(group, f"{where}: restoring {what}", problem)
+        except RestoreError as exc:
+            if problem is None:  # this rank restored, another did not: go back too
+                for note in restoring.undo():
+                    exc.add_note(note)
+            raise
+
+
+def _attempt(step: Callable[[], None]) -> Exception | None:
+    try:
+        step()
+    except Exception as exc:  # reported on every rank alike by _agree
+        return exc
+    return None
+
+
+def _agree(group: CheckpointGroup, where: str, problem: BaseException | None) -> None:
+    """Go on only if every rank succeeded; otherwise every rank raises a RestoreError naming who failed and why."""
+    said = group.all_gather(None if problem is None else f"{type(problem).__name__}: {problem}", where)
+    failures = [f"rank {rank}: {text}" for rank, text in enumerate(said) if text is not None]
+    if failures:
+        raise RestoreError(f"{where}: {'; '.join(failures)}") from problem
 
 
 def _target_box(key: str, record: Any, live: TensorItem | None) -> Box:
@@ -94,7 +221,7 @@ def _live_layouts(provider: CompositeProvider, view: Manifest, keys: list[str]) 
 
 
 class _CollectiveRead:
-    """Reads one copy on every rank at once (a :data:`pipeline.restore.CopyReader`)."""
+    """Reads a step on every rank at once, each rank its own part from its own copy."""
 
     def __init__(self, group: CheckpointGroup, provider: CompositeProvider, allow_pickle: bool) -> None:
         self.group = group
@@ -102,25 +229,62 @@ class _CollectiveRead:
         self.allow_pickle = allow_pickle
         self.bytes_read = 0  # tensor bytes this rank read from storage for the last copy
 
-    def __call__(self, directory: Path, manifest: Manifest, keys: list[str]) -> dict[str, Any]:
-        where = f"restore step {manifest.step} from {directory}"
-        try:
-            view, regions, shared = self._plan(manifest, keys)
-            problem = None
-        except Exception as exc:  # reported by every rank alike, below
-            view, regions, shared, problem = manifest, {}, {}, exc
-        offers = self.group.node_all_gather(shared, f"{where}: sharing out the reads")
-        owner, sizes = _owners(dict(zip(self.group.node_ranks, offers, strict=True)))
-        mine = [key for key, region in regions.items() if owner.get(_ident(region), self.group.rank) == self.group.rank]
-        values: dict[str, Any] = {}
-        if problem is None:
+    def read_step(
+        self, step: int, copies: list[FilesystemTier], problems: list[str]
+    ) -> tuple[FilesystemTier, dict[str, Any]] | None:
+        """This rank's state of ``step`` and the tier it came from, or None if the ranks cannot read it.
+
+        In rounds, all ranks together: each rank reads its part from its current copy; if every
+        rank read cleanly, that is the state; otherwise each rank that failed moves on to its next
+        copy (the others read theirs again), and once a failed rank has none left, the step is
+        unreadable on every rank alike. Every failure is added to ``problems``, alike on every rank.
+        """
+        current = 0
+        while True:
+            tier = copies[current]
+            state, failed = self._read_copy(step, tier, more=current + 1 < len(copies))
+            if not failed:
+                return tier, state
+            problems += [f"step {step} on rank {rank}, tier {name}: {text}" for rank, text, name, _ in failed]
+            if not all(more for *_, more in failed):
+                return None
+            current += any(rank == self.group.rank for rank, *_ in failed)
+
+    def _read_copy(self, step: int, tier: FilesystemTier, more: bool) -> tuple[dict[str, Any], list[Failure]]:
+        """Collective: this rank's part of one copy, exchanged over the node, or every rank's failure to read it.
+
+        ``more`` says whether this rank has another copy of the step to try; it travels with the failures.
+        """
+        directory = tier.step_dir(step)
+        where = f"restore step {step} from {directory}"
+        keys: list[str] = []
+        view, regions, shared, problem = None, {}, {}, None
+        with contextlib.ExitStack() as lock:
             try:
-                values = self._read(directory, view, keys, regions, mine)
-            except Exception as exc:
+                lock.enter_context(reading(directory))  # retention cannot delete it while it is being read
+                manifest = tier.manifest(step)
+                keys = [k for k in manifest.items if k.split("/", 1)[0] in self.provider.children]
+                view, regions, shared = self._plan(manifest, keys)
+            except Exception as exc:  # reported by every rank alike, below
                 problem = exc
-        self._agree(where, problem)
-        self._exchange(where, regions, values, owner, sizes)
-        return {key: values[stored_key(key, view.items[key])] for key in keys}
+            offers = self.group.node_all_gather(shared, f"{where}: sharing out the reads")
+            owner, sizes = _owners(dict(zip(self.group.node_ranks, offers, strict=True)))
+            mine = [k for k, region in regions.items() if owner.get(_ident(region), self.group.rank) == self.group.rank]
+            values: dict[str, Any] = {}
+            if view is not None:
+                try:
+                    values = self._read(directory, view, keys, regions, mine)
+                except Exception as exc:
+                    problem = exc
+            if problem is not None:
+                log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, problem)
+            text = None if problem is None else f"{type(problem).__name__}: {problem}"
+            said = self.group.all_gather((text, tier.name, more), f"{where}: did every rank read its part")
+            failed = [(rank, text, name, more) for rank, (text, name, more) in enumerate(said) if text is not None]
+            if failed:
+                return {}, failed
+            self._exchange(where, regions, values, owner, sizes)
+        return {key: values[stored_key(key, view.items[key])] for key in keys}, []
 
     def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
         """This rank's view, its tensor regions by stored key, and the shareable ones (see :data:`Offer`)."""
@@ -146,13 +310,6 @@ class _CollectiveRead:
         tensors = read_regions(directory, view, [regions[key] for key in mine])
         self.bytes_read = tensors.bytes_read
         return values | dict(zip(mine, tensors.tensors, strict=True))
-
-    def _agree(self, where: str, problem: BaseException | None) -> None:
-        """Go on only if every rank read its part; otherwise all fail alike, naming who and why."""
-        said = self.group.all_gather(None if problem is None else f"{type(problem).__name__}: {problem}", where)
-        failures = [f"rank {rank}: {text}" for rank, text in enumerate(said) if text is not None]
-        if failures:
-            raise CorruptCheckpointError(f"{where}: {'; '.join(failures)}")
 
     def _exchange(
         self,

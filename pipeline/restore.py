@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,20 +21,24 @@ from tierstate.errors import TierstateError
 from ..providers.base import ReadState
 from ..providers.composite import CompositeProvider
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import Manifest, ManifestError
+from ..tiers.format import ManifestError
 from ..tiers.locks import reading
 from ..tiers.reader import CorruptCheckpointError, read_items
 
 log = logging.getLogger("tierstate")
 
 
-CopyReader = Callable[[Path, Manifest, list[str]], Mapping[str, Any]]
-"""Reads the given items of one committed copy: (its directory, its manifest, item keys) -> state
-(a :class:`~providers.base.ReadState` where it can tell the providers which tensors are fresh)."""
-
-
 class NoCheckpointError(TierstateError, FileNotFoundError):
     """No tier holds a committed, readable checkpoint for the requested step."""
+
+
+class NothingToRestoreError(NoCheckpointError):
+    """No tier (of any rank) holds any committed checkpoint: a first start.
+
+    The one kind of :class:`NoCheckpointError` a trainer may take for "start from scratch"; the
+    others (the step asked for is missing, every copy of it is unreadable, the ranks hold no step
+    in common) mean checkpoints exist, and starting over would silently lose their progress.
+    """
 
 
 @dataclass(frozen=True)
@@ -47,16 +51,23 @@ class RestoreResult:
     problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
 
 
-def resolve_step(tiers: list[FilesystemTier], which: int | str) -> int:
-    if which == "latest":
-        steps = [s for tier in tiers for s in tier.steps()]
-        if not steps:
-            where = ", ".join(f"{t.name}={t.root}" for t in tiers)
-            raise NoCheckpointError(f"no committed checkpoint on any tier ({where})")
-        return max(steps)
-    if isinstance(which, bool) or not isinstance(which, int) or which < 0:
-        raise ValueError(f"restore target must be 'latest' or a step number >= 0, got {which!r}")
-    return which
+def checked_target(which: int | str) -> int | str:
+    """``which`` if it is ``"latest"`` or a step number >= 0; else a ValueError."""
+    if which == "latest" or (isinstance(which, int) and not isinstance(which, bool) and which >= 0):
+        return which
+    raise ValueError(f"restore target must be 'latest' or a step number >= 0, got {which!r}")
+
+
+def candidate_steps(held: Collection[int], which: int | str, fallback: bool) -> list[int]:
+    """The steps to try, in order: ``which`` (the newest of ``held`` for "latest"), then with ``fallback``
+    the older steps of ``held``, newest first. ``which`` comes first even if not held (its error names it)."""
+    wanted = max(held) if checked_target(which) == "latest" else int(which)
+    return [wanted] + (sorted((s for s in held if s < wanted), reverse=True) if fallback else [])
+
+
+def tier_roots(tiers: list[FilesystemTier]) -> str:
+    """``name=root`` of each tier, for errors that must say where was looked."""
+    return ", ".join(f"{t.name}={t.root}" for t in tiers)
 
 
 def fresh_read(state: dict[str, Any]) -> ReadState:
@@ -78,26 +89,20 @@ def restore_into(
     which: int | str,
     allow_pickle: bool,
     fallback: bool = False,
-    read: CopyReader | None = None,
 ) -> RestoreResult:
     """Restore ``which`` into ``provider``'s children; only their items are read.
 
-    ``read`` reads one copy (by default this process reads all of it); with many ranks it is a
-    collective that every rank enters for the same copy and that fails on all of them alike.
+    The whole copy is read and its checksums verified before any provider is touched, and the
+    providers are restored all or none (:meth:`CompositeProvider.restore`).
 
     Another tier's copy of the same step is always tried, since it holds the same verified bytes.
     An older step is tried only with ``fallback``, because it silently loses training progress
     otherwise; every copy skipped is logged and listed in the result's ``problems``.
     """
-    if read is None:
-
-        def read(directory: Path, manifest: Manifest, keys: list[str]) -> Mapping[str, Any]:
-            return fresh_read(read_items(directory, manifest, keys, allow_pickle=allow_pickle))
-
-    wanted = resolve_step(tiers, which)
-    candidates = [wanted]
-    if fallback:
-        candidates += sorted({s for tier in tiers for s in tier.steps() if s < wanted}, reverse=True)
+    held = {s for tier in tiers for s in tier.steps()}
+    if checked_target(which) == "latest" and not held:
+        raise NothingToRestoreError(f"no committed checkpoint on any tier ({tier_roots(tiers)})")
+    candidates = candidate_steps(held, which, fallback)
     problems: list[str] = []
     for step in candidates:
         for tier in tiers:
@@ -108,16 +113,20 @@ def restore_into(
                 with reading(tier.step_dir(step)):  # retention cannot delete it while it is being read
                     manifest = tier.manifest(step)
                     keys = [k for k in manifest.items if k.split("/", 1)[0] in provider.children]
-                    state = read(tier.step_dir(step), manifest, keys)
+                    state = fresh_read(read_items(tier.step_dir(step), manifest, keys, allow_pickle=allow_pickle))
             except (ManifestError, CorruptCheckpointError, OSError) as exc:
                 log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
                 problems.append(f"step {step} on tier {tier.name}: {exc}")
                 continue
-            if step != wanted:
-                log.warning("restore: step %d is unusable, fell back to step %d", wanted, step)
+            if step != candidates[0]:
+                log.warning("restore: step %d is unusable, fell back to step %d", candidates[0], step)
             provider.restore(state)
             seconds = time.perf_counter() - started
             return RestoreResult(step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems))
+    raise NoCheckpointError(unusable(candidates[0], fallback, problems))
+
+
+def unusable(wanted: int, fallback: bool, problems: list[str]) -> str:
+    """Why no copy of ``wanted`` (nor, with ``fallback``, of an older step) could be restored."""
     detail = "; ".join(problems) if problems else "no tier holds it"
-    older = " or any older step" if fallback else ""
-    raise NoCheckpointError(f"cannot restore step {wanted}{older}: {detail}")
+    return f"cannot restore step {wanted}{' or any older step' if fallback else ''}: {detail}"

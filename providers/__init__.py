@@ -1,7 +1,8 @@
 """What training state is: providers describe it as items and restore it; they move no bytes."""
 
-from .base import ReadState, RestoreError, StateProvider, fresh_keys, require_keys
-from .composite import ChildRestoreError, CompositeProvider, sub_state
+from .atomic import ChildRestoreError
+from .base import CheckedProvider, ReadState, RestoreError, StateProvider, fresh_keys, require_keys
+from .composite import CompositeProvider, sub_state
 from .items import SERIALIZERS, Item, ObjectItem, Serializer, ShardInfo, TensorItem
 from .module import ModuleProvider
 from .objects import ObjectProvider
@@ -14,6 +15,7 @@ from .tree import TENSOR_MARKER, join_tensors, split_tensors
 __all__ = [
     "SERIALIZERS",
     "TENSOR_MARKER",
+    "CheckedProvider",
     "ChildRestoreError",
     "CompositeProvider",
     "Item",

@@ -4,6 +4,23 @@ A provider moves no bytes. ``describe()`` is called on the trainer thread when a
 requested and must return quickly: tensors by reference, objects snapshotted. ``restore(state)``
 receives ``{item key: tensor | object}`` for exactly the keys it described and puts them back,
 in place where the state already exists.
+
+A restore is all or nothing: it either restores every provider or leaves every one as it was.
+Two ways get a provider there, and :class:`~providers.composite.CompositeProvider` applies them:
+
+* A provider may also have ``check(state)`` (:class:`CheckedProvider`): it compares the values
+  read back with the live state (keys, shapes, dtypes, an optimizer's parameter groups) and
+  raises :class:`RestoreError` naming every difference, changing nothing. Passing ``check`` is a
+  promise that ``restore`` of that state succeeds. Every provider's ``check`` runs before any
+  provider restores, so a model with one layer of another shape leaves every tensor untouched. A
+  checked provider costs nothing extra, which is why the big ones (module, optimizer) are checked.
+* A provider without ``check`` (most user-written ones) cannot promise that, so it is copied
+  before it restores (its ``describe()``, tensors cloned: a snapshot) and restored before the
+  checked ones; if it, or any provider after it, fails, every snapshot is restored back, newest
+  first. A provider whose ``describe()`` fails before the restore (its state does not exist yet)
+  has no state to go back to and is restored without a snapshot. A checked provider that fails
+  all the same breaks its promise: the snapshots are still put back, the checked providers
+  restored before it are not.
 """
 
 from __future__ import annotations
@@ -28,6 +45,15 @@ class StateProvider(Protocol):
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put back the values of a checkpoint, keyed like ``describe()``'s items."""
+        ...
+
+
+@runtime_checkable
+class CheckedProvider(StateProvider, Protocol):
+    """A provider that can tell, before anything is restored, whether ``restore(state)`` will succeed."""
+
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Raise :class:`RestoreError` naming each item that does not fit the live state; change nothing."""
         ...
 
 
@@ -78,5 +104,9 @@ def require_keys(owner: str, state: Mapping[str, Any], keys: set[str]) -> None:
     """Fail with one message naming every missing key, instead of a KeyError on the first."""
     missing = sorted(keys - set(state))
     if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise RestoreError(f"{owner}: checkpoint lacks {len(missing)} item(s): {shown}")
+        raise RestoreError(f"{owner}: checkpoint lacks {len(missing)} item(s): {shown(missing)}")
+
+
+def shown(names: list[str], limit: int = 8, sep: str = ", ") -> str:
+    """The first ``limit`` names, joined by ``sep``, and ``...`` when there are more: errors stay readable."""
+    return sep.join(names[:limit]) + (" ..." if len(names) > limit else "")

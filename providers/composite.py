@@ -1,4 +1,8 @@
-"""Named providers under one: item keys become ``<name>/<child key>``, nesting gives ``a/b/key``."""
+"""Named providers under one: item keys become ``<name>/<child key>``, nesting gives ``a/b/key``.
+
+A restore is all or nothing across every provider of the tree (see providers/base.py): nested
+composites are flattened into their leaves, which are checked and restored as one.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .base import ReadState, RestoreError, StateProvider, fresh_keys
+from .atomic import AtomicRestore
+from .base import ReadState, StateProvider, fresh_keys
 from .items import Item, TensorItem
-
-
-class ChildRestoreError(RestoreError):
-    """A child of a composite failed to restore; ``path`` names it through every level of nesting."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"provider {path!r}: {reason}")
-        self.path = path
-        self.reason = reason
 
 
 def sub_state(state: Mapping[str, Any], name: str) -> ReadState:
@@ -72,11 +68,24 @@ class CompositeProvider:
                 targets |= {f"{name}/{k}": dataclasses.replace(t, key=f"{name}/{k}") for k, t in expect(mine).items()}
         return targets
 
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Raise :class:`~providers.atomic.ChildRestoreError` if a checked provider does not fit ``state``."""
+        self.restoring(state).check()
+
     def restore(self, state: Mapping[str, Any]) -> None:
+        """Check every provider, then restore them all; if any fails, every one is left as it was."""
+        restoring = self.restoring(state)
+        restoring.check()
+        restoring.restore()
+
+    def restoring(self, state: Mapping[str, Any]) -> AtomicRestore:
+        """The restore of ``state`` into every provider of the tree, in steps (for ranks that agree between them)."""
+        return AtomicRestore([(path, leaf, sub_state(state, path)) for path, leaf in self._leaves()])
+
+    def _leaves(self, prefix: str = "") -> list[tuple[str, StateProvider]]:
+        """Every provider that is not itself a composite, by its path (``a/b``)."""
+        leaves = []
         for name, child in self._children.items():
-            try:
-                child.restore(sub_state(state, name))
-            except ChildRestoreError as exc:
-                raise ChildRestoreError(f"{name}/{exc.path}", exc.reason) from exc
-            except RestoreError as exc:
-                raise ChildRestoreError(name, str(exc)) from exc
+            path = f"{prefix}{name}"
+            leaves += child._leaves(f"{path}/") if isinstance(child, CompositeProvider) else [(path, child)]
+        return leaves

@@ -9,9 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import RestoreError, require_keys
+from .base import RestoreError, shown
 from .dtensor import like_live, tensor_item
+from .fit import misfits, require_fit
 from .items import Changes, Item, ObjectItem, Serializer
+
+DDP_PREFIX = "module."  # what DistributedDataParallel puts before every key of the model it wraps
 
 
 class ModuleProvider:
@@ -47,19 +50,43 @@ class ModuleProvider:
             for name, value in self.module.state_dict().items()
         ]
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Copy the values into the existing parameters and buffers, so optimizers keep their references."""
+    def check(self, state: Mapping[str, Any]) -> None:
+        """The same keys as ``state_dict()``, each tensor of the live shape and dtype; nothing is changed."""
         live = self.module.state_dict()
-        expected = set(live)
-        require_keys(self._owner, state, expected)
-        unexpected = sorted(set(state) - expected)
+        expected, saved = set(live), set(state)
+        missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+        problems = [f"checkpoint lacks {len(missing)} item(s): {shown(missing)}"] if missing else []
         if unexpected:
-            names = ", ".join(unexpected)
-            raise RestoreError(f"{self._owner}: checkpoint has {len(unexpected)} item(s) the module lacks: {names}")
-        try:
-            self.module.load_state_dict({k: like_live(live[k], v) for k, v in state.items()}, strict=True)
-        except RuntimeError as exc:  # size mismatches, listed by name in torch's message
-            raise RestoreError(f"{self._owner}: {exc}") from exc
+            problems.append(f"checkpoint has {len(unexpected)} item(s) the module lacks: {shown(unexpected)}")
+        if problems:
+            raise RestoreError(f"{self._owner}: {'; '.join(problems)}{_ddp_hint(expected, saved)}")
+        require_fit(self._owner, misfits(live, state))
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Copy the values into the existing parameters and buffers, so optimizers keep their references.
+
+        Checked first: ``load_state_dict`` copies entry by entry and reports a bad shape only after
+        copying the others, which would leave the module half restored.
+        """
+        self.check(state)
+        live = self.module.state_dict()
+        self.module.load_state_dict({k: like_live(live[k], v) for k, v in state.items()}, strict=True)
+
+
+def _ddp_hint(live: set[str], saved: set[str]) -> str:
+    """Why two key sets that differ only by DistributedDataParallel's ``module.`` prefix differ, or ''."""
+    if {k.removeprefix(DDP_PREFIX) for k in live} != {k.removeprefix(DDP_PREFIX) for k in saved}:
+        return ""
+    if all(k.startswith(DDP_PREFIX) for k in saved):
+        return (
+            f" (the keys differ only by DistributedDataParallel's {DDP_PREFIX!r} prefix: the checkpoint was saved "
+            "from a DDP-wrapped model and this one is not; describe the same object in both runs, "
+            "e.g. ModuleProvider(ddp_model.module) when saving)"
+        )
+    return (
+        f" (the keys differ only by DistributedDataParallel's {DDP_PREFIX!r} prefix: this model is DDP-wrapped "
+        "and the checkpoint's was not; register ModuleProvider(ddp_model.module))"
+    )
 
 
 def _changes(param: nn.Parameter | None) -> Changes:

@@ -18,6 +18,8 @@ class ObjectProvider:
     The value is deep-copied at describe time because the trainer keeps changing it while the
     checkpoint is written. On restore the value is kept as ``.value``, passed to ``load`` when
     given, and, when ``get`` is a plain dict and no ``load`` is given, written into that dict in place.
+    It has no ``check`` (``load`` may refuse anything): a restore snapshots the value first and puts
+    it back if anything fails (providers/base.py).
     """
 
     def __init__(

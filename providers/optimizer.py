@@ -10,6 +10,7 @@ import torch
 from .base import ReadState, RestoreError, fresh_keys
 from .dtensor import is_dtensor, layout_target, like_live
 from .items import Item, Serializer, TensorItem
+from .optimizer_check import check_optimizer_state
 from .stateful import StatefulProvider
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ class OptimizerProvider(StatefulProvider):
                 targets[key] = layout_target(key, param)
         self._targeted = frozenset(targets)
         return targets
+
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Parameter groups and state shapes against the live optimizer, before anything is restored."""
+        check_optimizer_state(self._owner, self.optimizer, state)
 
     def restore(self, state: Mapping[str, Any]) -> None:
         # The optimizer's tensors before loading: where one matches a loaded value, the value is copied

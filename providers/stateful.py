@@ -26,6 +26,9 @@ class StatefulProvider:
     joins the two and calls ``load_state_dict``. Tensors handed to ``restore`` are passed on as they
     are; subclasses whose target keeps them fix that in :meth:`_after_load`. ``replicated=True``
     says every rank holds the same state (the optimizer of a DDP model): many ranks write one copy.
+
+    It has no ``check``: what an arbitrary ``load_state_dict`` accepts cannot be told in advance, so
+    a restore snapshots the (small) state first and puts it back if anything fails (providers/base.py).
     """
 
     def __init__(self, obj: Stateful, serializer: Serializer = "msgpack", replicated: bool = False) -> None:

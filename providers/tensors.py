@@ -12,7 +12,10 @@ from typing import Any
 import torch
 
 from .base import require_keys
+from .fit import misfits, require_fit
 from .items import Changes, TensorItem
+
+OWNER = "TensorDictProvider"
 
 
 class TensorDictProvider:
@@ -30,7 +33,12 @@ class TensorDictProvider:
     def describe(self) -> list[TensorItem]:
         return [TensorItem(key, t, changes=self.changes) for key, t in self.tensors.items()]
 
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Every name present, each value of its tensor's shape and dtype: a byte copy would take any same-sized one."""
+        require_keys(OWNER, state, set(self.tensors))
+        require_fit(OWNER, misfits(self.tensors, state))
+
     def restore(self, state: Mapping[str, Any]) -> None:
-        require_keys("TensorDictProvider", state, set(self.tensors))
+        self.check(state)
         for key, t in self.tensors.items():
             t.reshape(-1).view(torch.uint8).copy_(state[key].reshape(-1).view(torch.uint8))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import RestoreError
+from .base import RestoreError, shown
 from .dtensor import tensor_item
 from .items import TensorItem
 
@@ -82,8 +82,7 @@ def join_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor], owner: str 
 
     joined = walk(skeleton)
     if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise RestoreError(f"{owner}: checkpoint lacks {len(missing)} tensor(s): {shown}")
+        raise RestoreError(f"{owner}: checkpoint lacks {len(missing)} tensor(s): {shown(missing)}")
     return joined
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from tierstate import NothingToRestoreError, TierstateError
 from tierstate.pipeline.distributed import EXIT_BEFORE_VOTE_ENV
 from tierstate.pipeline.runner import Runner
-from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider, ShardInfo
+from tierstate.providers import (
+    ModuleProvider,
+    ObjectProvider,
+    OptimizerProvider,
+    RNGProvider,
+    ShardInfo,
+    TensorDictProvider,
+)
 from tierstate.providers.items import TensorItem
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.format import read_manifest
+from tierstate.tiers.migrate import migrate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,6 +120,14 @@ def replicated_providers(scrambled: bool) -> tuple[dict[str, Any], Callable[[], 
     return {"model": ModuleProvider(model, replicated=True), "run": ObjectProvider(shared, replicated=True)}, check
 
 
+GROUP_TIMEOUT_S = 60
+
+
+def runner_at(nvme: Path, pfs: Path) -> Runner:
+    settings = {"tiers": {"nvme": {"path": str(nvme)}, "pfs": {"path": str(pfs)}}}
+    return Runner.from_yaml(CONFIG, settings, group_timeout=GROUP_TIMEOUT_S)
+
+
 class Scenario:
     def __init__(self, workdir: Path, name: str) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -118,8 +138,7 @@ class Scenario:
     def runner(self, tiers: str) -> Runner:
         """A runner whose tiers are ``WORKDIR/tiers/<tiers>/{nvme,pfs}``, shared by all ranks."""
         base = self.workdir / "tiers" / tiers
-        settings = {"tiers": {"nvme": {"path": str(base / "nvme")}, "pfs": {"path": str(base / "pfs")}}}
-        return Runner.from_yaml(CONFIG, settings, group_timeout=60)
+        return runner_at(base / "nvme", base / "pfs")
 
     def record(self, **facts: Any) -> None:
         (self.out / f"rank-{self.rank}.json").write_text(json.dumps(facts, indent=1))
@@ -272,6 +291,122 @@ def ddp_resume(s: Scenario) -> None:
     s.record(step=counter["step"], losses=losses)
 
 
+# --- ranks whose tiers hold different steps agree on one, or all fail alike -------------------------------------
+
+AGREE_STEPS = (1, 2, 3)
+
+
+def _agree_state(step: int | None, rank: int) -> tuple[nn.Module, dict, dict[str, torch.Tensor]]:
+    """The model, counter and per-rank tensor as they are at ``step`` (None: a new job's scrambled start)."""
+    model = make_model(seed=99 if step is None else step)
+    counter = {"step": -1 if step is None else step}
+    mine = {"w": torch.full((3,), -1.0 if step is None else 100.0 * rank + step)}
+    return model, counter, mine
+
+
+def _agree_providers(
+    model: nn.Module, counter: dict, mine: dict[str, torch.Tensor], load: Callable[[Any], None] | None = None
+) -> dict[str, Any]:
+    return {
+        "model": ModuleProvider(model, replicated=True),
+        "trainer": ObjectProvider(counter, load=load, replicated=True),
+        "mine": TensorDictProvider(mine),
+    }
+
+
+def agree_save(s: Scenario) -> None:
+    """Steps 1-3 on shared tiers; then rank 0 lays out the copies the ``agree`` cases give each rank."""
+    base = s.workdir / "tiers" / "agree"
+    runner = runner_at(base / "all" / "nvme", base / "all" / "pfs")
+    model, counter, mine = _agree_state(None, s.rank)
+    runner.register(**_agree_providers(model, counter, mine))
+    for step in AGREE_STEPS:
+        new_model, new_counter, new_mine = _agree_state(step, s.rank)
+        model.load_state_dict(new_model.state_dict())
+        counter.update(new_counter)
+        mine["w"].copy_(new_mine["w"])
+        runner.checkpoint(step).result(timeout=60)
+    runner.close()
+    if s.rank == 0:
+        source = FilesystemTier("nvme", base / "all" / "nvme")
+        for name, steps in {"old/nvme": (1, 2), "newest/pfs": (3,), "only3/nvme": (3,), "corrupt/nvme": (1, 2)}.items():
+            for step in steps:
+                migrate(step, source, FilesystemTier(name.split("/")[1], base / name))
+        damaged = base / "corrupt" / "nvme" / "step-2"
+        for frame in read_manifest(damaged).files["rank-00001.data"].frames:  # rank 1's part of step 2
+            with open(damaged / "rank-00001.data", "r+b") as handle:
+                handle.seek(frame.offset + frame.length // 2)
+                byte = handle.read(1)[0]
+                handle.seek(frame.offset + frame.length // 2)
+                handle.write(bytes([byte ^ 0x08]))
+    s.record(saved=list(AGREE_STEPS))
+
+
+def readme_guard(runner: Runner) -> None:
+    """The README's restore guard for many ranks ("Many ranks (torchrun)"), copied verbatim."""
+    try:
+        runner.restore("latest")  # every rank restores the same step, or every rank raises
+    except NothingToRestoreError:
+        pass  # no rank has any checkpoint yet: every rank starts fresh
+
+
+# Each case: the tiers (nvme, pfs) of rank 0 and of rank 1 under WORKDIR/tiers/agree (None: an empty
+# directory of that rank's own), how to restore, the rank whose model has a layer of another shape, and
+# the rank whose trainer counters refuse any value but the scrambled start.
+AGREE_CASES: dict[str, dict[str, Any]] = {
+    "newest-on-a-slower-tier": {"tiers": (("all/nvme", None), ("old/nvme", "newest/pfs"))},
+    "older-common-step": {"tiers": (("all/nvme", None), ("old/nvme", None))},
+    "no-common-step": {"tiers": (("only3/nvme", None), ("old/nvme", None))},
+    "unreadable-copy": {"tiers": (("all/nvme", None), ("corrupt/nvme", None))},
+    "unreadable-copy-fallback": {"tiers": (("all/nvme", None), ("corrupt/nvme", None)), "fallback": True},
+    "check-fails-on-rank-1": {"tiers": (("all/nvme", None), ("all/nvme", None)), "other_shape": 1},
+    "restore-fails-on-rank-1": {"tiers": (("all/nvme", None), ("all/nvme", None)), "refuse_on": 1},
+    "guard-no-checkpoint-anywhere": {"tiers": ((None, None), (None, None)), "guard": True},
+    "guard-one-rank-has-none": {"tiers": (("all/nvme", None), (None, None)), "guard": True},
+}
+
+
+def _refuse(value: dict) -> None:
+    if value != {"step": -1}:
+        raise RuntimeError(f"counters {value} refused")
+
+
+def agree(s: Scenario) -> None:
+    """Every case on both ranks: which step each restored from which tier, or what each raised, and how fast."""
+    base = s.workdir / "tiers" / "agree"
+    seen: dict[str, dict[str, Any]] = {}
+    for name, case in AGREE_CASES.items():
+        nvme, pfs = (base / (p or f"empty/{name}/rank-{s.rank}/{i}") for i, p in enumerate(case["tiers"][s.rank]))
+        runner = runner_at(nvme, pfs)
+        model, counter, mine = _agree_state(None, s.rank)
+        if case.get("other_shape") == s.rank:
+            model[-1] = nn.Linear(48, 9)
+        runner.register(**_agree_providers(model, counter, mine, _refuse if case.get("refuse_on") == s.rank else None))
+        before = {**{k: v.clone() for k, v in model.state_dict().items()}, "mine": mine["w"].clone()}
+        facts: dict[str, Any] = {}
+        started = time.perf_counter()
+        try:
+            if case.get("guard"):
+                readme_guard(runner)
+                facts["guard"] = "went on"
+            else:
+                result = runner.restore("latest", fallback=case.get("fallback", False))
+                facts |= {"step": result.step, "tier": result.tier, "problems": list(result.problems)}
+                expected_model, expected_counter, expected_mine = _agree_state(result.step, s.rank)
+                want = expected_model.state_dict()
+                facts["same"] = all(torch.equal(v, want[k]) for k, v in model.state_dict().items()) and (
+                    counter == expected_counter and torch.equal(mine["w"], expected_mine["w"])
+                )
+        except TierstateError as exc:
+            facts["error"] = f"{type(exc).__name__}: {exc}"
+        facts["seconds"] = time.perf_counter() - started
+        now = {**model.state_dict(), "mine": mine["w"]}
+        facts["unchanged"] = all(torch.equal(now[k], v) for k, v in before.items()) and counter == {"step": -1}
+        runner.close()
+        seen[name] = facts
+    s.record(**seen)
+
+
 SCENARIOS: dict[str, Callable[[Scenario], None]] = {
     "save": save,
     "restore": restore,
@@ -280,6 +415,8 @@ SCENARIOS: dict[str, Callable[[Scenario], None]] = {
     "failures-restore": failures_restore,
     "ddp": ddp,
     "ddp-resume": ddp_resume,
+    "agree-save": agree_save,
+    "agree": agree,
 }
 
 

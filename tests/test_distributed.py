@@ -9,15 +9,26 @@ job" that restores everything. What each rank saw is in WORKDIR/<scenario>/rank-
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_worker import DTENSOR_SHAPE, SHARDED_SHAPE, DTensorHolder, global_values, make_model
+from dist_worker import (
+    DTENSOR_SHAPE,
+    GROUP_TIMEOUT_S,
+    SHARDED_SHAPE,
+    DTensorHolder,
+    global_values,
+    make_model,
+    readme_guard,
+)
 
 from conftest import REPO
 from tierstate.pipeline import cli
@@ -72,12 +83,12 @@ def expected_whole() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("ranks")
-    torchrun(workdir, "save", "ddp", "failures")  # failures last: rank 1 leaves the process in it
+    torchrun(workdir, "save", "ddp", "agree-save", "failures")  # failures last: rank 1 leaves the process in it
     providers, _ = whole_layout(scrambled=False)
     with runner_on(workdir / "tiers" / "single") as runner:  # what the 1 -> 2 reshard loads
         runner.register(**providers)
         runner.checkpoint(5).result()
-    torchrun(workdir, "restore", "reshard", "ddp-resume", "failures-restore")
+    torchrun(workdir, "restore", "reshard", "ddp-resume", "failures-restore", "agree")
     return workdir
 
 
@@ -200,3 +211,59 @@ def test_format_rewrite_of_a_multi_rank_checkpoint_keeps_each_rank_its_own_index
     copied, original = load(step_dir), load(source.step_dir(1))
     for key, value in original.items():
         assert torch.equal(copied[key], value) if isinstance(value, torch.Tensor) else copied[key] == value, key
+
+
+# --- ranks with different tiers agree on a step, or all fail alike (issue 11 item 6) -------------------------------
+
+
+def agreement(work: Path, case: str) -> list[dict]:
+    """What each rank saw in one case of the ``agree`` scenario (see dist_worker.AGREE_CASES)."""
+    return [seen[case] for seen in facts(work, "agree")]
+
+
+def test_ranks_restore_the_newest_step_each_from_its_own_fastest_copy(work):
+    first, second = agreement(work, "newest-on-a-slower-tier")  # rank 1's NVMe lacks step 3, its PFS has it
+    assert (first["step"], first["tier"], second["step"], second["tier"]) == (3, "nvme", 3, "pfs")
+    assert first["same"] and second["same"]
+
+
+def test_ranks_restore_the_newest_step_every_rank_holds(work):
+    for seen in agreement(work, "older-common-step"):  # rank 1 holds steps 1 and 2 only
+        assert seen["step"] == 2 and seen["same"]
+        assert seen["problems"] == ["step 3 is not on every rank: rank(s) 1 lack it"]
+
+
+def test_a_copy_one_rank_cannot_read_sends_every_rank_to_the_older_step(work):
+    for seen in agreement(work, "unreadable-copy-fallback"):
+        assert seen["step"] == 1 and seen["same"]
+        skipped = seen["problems"][1]
+        assert re.match(r"step 2 on rank 1, tier nvme: CorruptCheckpointError: .*checksum mismatch", skipped)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no-common-step", r"NoCheckpointError: restore latest: no step is committed on a tier of every rank "
+                           r"\(rank 0: nvme=\S+/only3/nvme \[3\], pfs=\S+ \[\]; rank 1: nvme=\S+/old/nvme \[1, 2\]"),
+        ("guard-one-rank-has-none", r"NoCheckpointError: restore latest: no step is committed on a tier of every rank"),
+        ("unreadable-copy", r"NoCheckpointError: cannot restore step 2: .*step 2 on rank 1, tier nvme: "
+                            r"CorruptCheckpointError: \S+/corrupt/nvme/step-2/rank-00001.data frame \d+: checksum"),
+        ("check-fails-on-rank-1", r"RestoreError: restore step 3: checking the state: rank 1: ChildRestoreError: "
+                                  r"provider 'model': .*4\.weight: checkpoint float32\[8, 48\], live float32\[9, 48\]"),
+        ("restore-fails-on-rank-1", r"RestoreError: restore step 3: restoring the providers without check: "
+                                    r"rank 1: RuntimeError: counters \{'step': 3\} refused$"),
+    ],
+)  # fmt: skip
+def test_ranks_that_cannot_restore_the_same_step_all_fail_alike_within_seconds(work, case, message):
+    first, second = agreement(work, case)
+    assert first["error"] == second["error"] and re.match(message, first["error"]), first["error"]
+    for seen in (first, second):
+        assert seen["seconds"] < GROUP_TIMEOUT_S / 2  # no rank waited in a collective for the group timeout
+        assert seen["unchanged"]  # also rank 0's, whose own check and restore went through
+
+
+def test_the_readme_guard_starts_fresh_on_every_rank_and_cannot_hang(work):
+    for seen in agreement(work, "guard-no-checkpoint-anywhere"):
+        assert seen["guard"] == "went on" and seen["seconds"] < GROUP_TIMEOUT_S / 2
+    body = textwrap.dedent("".join(inspect.getsource(readme_guard).splitlines(keepends=True)[2:]))
+    assert body in (REPO / "README.md").read_text()  # the worker runs what the README shows

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
     from tierstate.pipeline.distributed import CheckpointAborted
     from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
-    from tierstate.pipeline.restore import NoCheckpointError, RestoreResult
+    from tierstate.pipeline.restore import NoCheckpointError, NothingToRestoreError, RestoreResult
     from tierstate.pipeline.runner import CaptureChangedError, Runner, RunnerClosedError
     from tierstate.providers import (
         ChildRestoreError,
@@ -53,7 +53,7 @@ _HOMES = {
     "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config"),
     "tierstate.pipeline.distributed": ("CheckpointAborted",),
     "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
-    "tierstate.pipeline.restore": ("NoCheckpointError", "RestoreResult"),
+    "tierstate.pipeline.restore": ("NoCheckpointError", "NothingToRestoreError", "RestoreResult"),
     "tierstate.pipeline.runner": ("CaptureChangedError", "Runner", "RunnerClosedError"),
     "tierstate.providers": (
         "ChildRestoreError", "CompositeProvider", "ModuleProvider", "ObjectItem", "ObjectProvider",
@@ -111,6 +111,7 @@ __all__ = [
     "MigrateError",
     "ModuleProvider",
     "NoCheckpointError",
+    "NothingToRestoreError",
     "ObjectCodecError",
     "ObjectItem",
     "ObjectProvider",
