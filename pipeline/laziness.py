@@ -102,10 +102,15 @@ class CaptureRules:
             return True
         return item.changes == "step" and storage_of(item.tensor) in covered
 
-    def snapshot_eager(self, tensors: Iterable[TensorItem]) -> EagerSnapshot:
-        """Replace each item's tensor that may not be captured lazily by its own copy, now."""
+    def snapshot_eager(self, tensors: Iterable[TensorItem]) -> tuple[EagerSnapshot, list[TensorItem]]:
+        """Replace each item's tensor that may not be captured lazily by its own copy, now.
+
+        Returns what it cost and the items now holding copies, which the checkpoint gives back with
+        :func:`release_copies` when it ends (a failed checkpoint's error may keep its plan alive).
+        """
         covered = self.covered()
-        count = nbytes = 0
+        copied: list[TensorItem] = []
+        nbytes = 0
         uncovered: list[str] = []
         for item in tensors:
             if self.lazy(item, covered):
@@ -113,7 +118,7 @@ class CaptureRules:
             if item.changes == "step":
                 uncovered.append(item.key)
             item.tensor = _copy(item.tensor)
-            count += 1
+            copied.append(item)
             nbytes += item.nbytes
         if uncovered and not self._warned:
             self._warned = True
@@ -123,7 +128,13 @@ class CaptureRules:
                 "(OptimizerProvider) or call runner.attach(optimizer) to capture them while training goes on",
                 len(uncovered), uncovered[0],
             )
-        return EagerSnapshot(count, nbytes, tuple(uncovered))
+        return EagerSnapshot(len(copied), nbytes, tuple(uncovered)), copied
+
+
+def release_copies(items: Iterable[TensorItem]) -> None:
+    """Free the copies :meth:`CaptureRules.snapshot_eager` made, once their checkpoint has ended."""
+    for item in items:
+        item.tensor = item.tensor.new_empty(0)
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from tierstate.errors import TierstateError
 
 from ..providers.base import StateProvider
 from ..providers.composite import CompositeProvider
+from ..providers.items import TensorItem
 from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.hostcache import HostCache
@@ -43,7 +44,7 @@ from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext, JobStats
-from .laziness import CaptureRules, changed_keys, fingerprints, unwrap_optimizer
+from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
 from .plan import CheckpointPlan, plan_checkpoint
 from .restore import RestoreResult, restore_into
 
@@ -192,7 +193,8 @@ class Runner:
             try:
                 plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
                 # Tensors that may change before their lazy copy are copied now (laziness.py).
-                completer.snapshotted(self._rules.snapshot_eager(plan.tensors))
+                snapshot, copies = self._rules.snapshot_eager(plan.tensors)
+                completer.snapshotted(snapshot)
                 on_captured = self._capture_check(plan, completer) if self.config.policies.check_capture else None
                 ready = record_ready_event([item.tensor for item in plan.tensors])
             except Exception as exc:  # a provider bug must not stop training
@@ -203,6 +205,7 @@ class Runner:
                     return handle
                 # The other ranks are opening this step: this one must take part, to decline it.
                 declined, plan, ready, on_captured = exc, plan_checkpoint([], self.cache.slab_size), None, None
+                copies = []
             self._inflight = completer
             many = self._group is not None
             slab = self.cache.slab_size
@@ -211,7 +214,7 @@ class Runner:
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )
             job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured)
-            asyncio.run_coroutine_threadsafe(self._run(job, completer), self._loop)
+            asyncio.run_coroutine_threadsafe(self._run(job, completer, copies), self._loop)
         completer.blocked(time.perf_counter() - started)
         return handle
 
@@ -247,10 +250,11 @@ class Runner:
         handle = self.checkpoint(step)
         return await asyncio.wrap_future(handle.durable_future)
 
-    async def _run(self, job: CheckpointJob, completer: HandleCompleter) -> None:
+    async def _run(self, job: CheckpointJob, completer: HandleCompleter, copies: list[TensorItem]) -> None:
         try:
             path = await job.run()
         except BaseException as exc:  # report, never raise into training
+            release_copies(copies)
             error = _first_leaf(exc)
             log.error("checkpoint step %d failed: %s: %s", job.step, type(error).__name__, error)
             self.history.append((completer.handle, job.stats))
@@ -258,6 +262,7 @@ class Runner:
             if not isinstance(exc, Exception):
                 raise
             return
+        release_copies(copies)
         self.history.append((completer.handle, job.stats))
         completer.durable(
             CheckpointResult(
