@@ -28,7 +28,9 @@ from .dtypes import UnknownDtypeError, dtype_from_name
 from .names import data_file_name, data_file_rank, parse_rank_file
 
 FORMAT_NAME = "tierstate"
-FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"
+FORMAT_VERSION = 3  # the newest this reads
+MULTI_RANK_VERSION = 2  # 2 adds the multi-rank kinds "sharded" and "per_rank"
+NODE_PART_VERSION = 3  # 3 adds ``node_part``: a node's part of a checkpoint, on a node-scoped tier
 MANIFEST_NAME = "manifest.json"
 MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes before allocation
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
@@ -150,6 +152,19 @@ def stored_key(key: str, record: AnyRecord) -> str:
     return record.of if isinstance(record, AliasRecord) else key
 
 
+class NodePart(_Strict):
+    """Marks a manifest as one node's part of a multi-rank checkpoint (on a node-scoped tier).
+
+    Its ``items`` are the whole checkpoint's, but ``files`` and ``indexes`` list only those of
+    ``ranks`` (this node's), so pieces may lie in files of other nodes' ranks, which are not here.
+    ``nodes``: every node holding a part, so a flush knows when all of them reached a shared tier.
+    """
+
+    node: Annotated[str, Field(min_length=1)]
+    ranks: list[Annotated[int, Field(ge=0)]]
+    nodes: list[Annotated[str, Field(min_length=1)]]
+
+
 class Manifest(_Strict):
     format: Literal["tierstate"] = FORMAT_NAME
     version: int = 1  # the oldest format that can express it: single-rank manifests stay readable by v1
@@ -159,6 +174,7 @@ class Manifest(_Strict):
     files: dict[str, FileRecord]
     indexes: dict[str, str] = {}
     items: dict[str, ItemRecord]
+    node_part: NodePart | None = None  # absent from the JSON of every other manifest (see _dump)
 
     def item_nbytes(self, key: str) -> int:
         return self.record_nbytes(self.items[key])
@@ -225,14 +241,19 @@ def alias_body(of: str) -> dict[str, Any]:
 def manifest_body(step: int, files: dict[str, FileRecord], items: dict[str, dict[str, Any]]) -> ManifestBody:
     """A one-rank manifest's JSON body: the few top-level fields from :class:`Manifest` itself (so
     defaults cannot drift), the many items as given."""
-    body = Manifest(step=step, created=now_iso(), files=files, items={}).model_dump(mode="json")
+    body = _dump(Manifest(step=step, created=now_iso(), files=files, items={}))
     body["items"] = items
     return body
 
 
+def _dump(manifest: Manifest) -> ManifestBody:
+    """The JSON body; ``node_part`` only where set, so that whole checkpoints read as they always did."""
+    return manifest.model_dump(mode="json", exclude=None if manifest.node_part else {"node_part"})
+
+
 def manifest_bytes(manifest: Manifest | ManifestBody) -> bytes:
     """JSON with a self-checksum over the canonical body, so an edited manifest is detected."""
-    body = manifest.model_dump(mode="json") if isinstance(manifest, Manifest) else manifest
+    body = _dump(manifest) if isinstance(manifest, Manifest) else manifest
     canonical = _canonical(body)
     # The same bytes as json.dumps({"checksum": ..., "manifest": body}, sort_keys=True) without encoding
     # the body twice. Compact on purpose: with `indent` json falls back to its pure-Python encoder, 4x
@@ -334,17 +355,20 @@ def _check_item(manifest: Manifest, key: str, item: AnyRecord) -> None:
             raise ValueError(f"absurd shape {item.shape}")
     nbytes = manifest.record_nbytes(item)
     covered = 0
+    elsewhere = manifest.node_part.ranks if manifest.node_part else None
     for piece in sorted(item.pieces, key=lambda p: p.item_offset):
+        if piece.item_offset != covered:
+            raise ValueError(f"pieces leave a gap or overlap at byte {covered}")
+        covered += piece.length
         record = manifest.files.get(piece.file)
+        if record is None and elsewhere is not None and data_file_rank(piece.file) not in (None, *elsewhere):
+            continue  # in another node's file: that node's part checks it
         if record is None:
             raise ValueError(f"piece in unknown file {piece.file!r}")
         if piece.frame >= len(record.frames):
             raise ValueError(f"piece in frame {piece.frame} of {piece.file}, which has {len(record.frames)}")
         if piece.offset + piece.length > record.frames[piece.frame].raw_length:
             raise ValueError(f"piece overruns frame {piece.frame} of {piece.file}")
-        if piece.item_offset != covered:
-            raise ValueError(f"pieces leave a gap or overlap at byte {covered}")
-        covered += piece.length
     if covered != nbytes:
         raise ValueError(f"pieces cover {covered} bytes, the item has {nbytes}")
 
