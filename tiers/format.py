@@ -18,7 +18,15 @@ from typing import Annotated, Any, Literal, cast
 
 import msgpack
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from tierstate.errors import TierstateError
 
@@ -174,7 +182,15 @@ class Manifest(_Strict):
     files: dict[str, FileRecord]
     indexes: dict[str, str] = {}
     items: dict[str, ItemRecord]
-    node_part: NodePart | None = None  # absent from the JSON of every other manifest (see _dump)
+    node_part: NodePart | None = None
+
+    @model_serializer(mode="wrap")
+    def _whole_checkpoints_as_before(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``node_part`` is left out unless set, so a whole checkpoint's JSON is what older readers read."""
+        body: dict[str, Any] = dump(self)
+        if self.node_part is None:
+            body.pop("node_part", None)
+        return body
 
     def item_nbytes(self, key: str) -> int:
         return self.record_nbytes(self.items[key])
@@ -241,19 +257,14 @@ def alias_body(of: str) -> dict[str, Any]:
 def manifest_body(step: int, files: dict[str, FileRecord], items: dict[str, dict[str, Any]]) -> ManifestBody:
     """A one-rank manifest's JSON body: the few top-level fields from :class:`Manifest` itself (so
     defaults cannot drift), the many items as given."""
-    body = _dump(Manifest(step=step, created=now_iso(), files=files, items={}))
+    body = Manifest(step=step, created=now_iso(), files=files, items={}).model_dump(mode="json")
     body["items"] = items
     return body
 
 
-def _dump(manifest: Manifest) -> ManifestBody:
-    """The JSON body; ``node_part`` only where set, so that whole checkpoints read as they always did."""
-    return manifest.model_dump(mode="json", exclude=None if manifest.node_part else {"node_part"})
-
-
 def manifest_bytes(manifest: Manifest | ManifestBody) -> bytes:
     """JSON with a self-checksum over the canonical body, so an edited manifest is detected."""
-    body = _dump(manifest) if isinstance(manifest, Manifest) else manifest
+    body = manifest.model_dump(mode="json") if isinstance(manifest, Manifest) else manifest
     canonical = _canonical(body)
     # The same bytes as json.dumps({"checksum": ..., "manifest": body}, sort_keys=True) without encoding
     # the body twice. Compact on purpose: with `indent` json falls back to its pure-Python encoder, 4x
