@@ -9,6 +9,7 @@ The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. What a ran
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -64,7 +65,7 @@ def _register(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, coun
     )
 
 
-def train(workdir: Path, rank: int) -> dict[str, Any]:
+def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT) -> dict[str, Any]:
     """Eight DDP steps, checkpoints after steps 2 and 4; the losses after step 4 are the reference."""
     model, opt = _ddp(seed=0)
     torch.manual_seed(100 + rank)
@@ -75,12 +76,12 @@ def train(workdir: Path, rank: int) -> dict[str, Any]:
     for step in range(1, STEPS + 1):
         losses.append(_step(model, opt))
         counter["step"] = step
-        if step in SAVED_AT:
+        if step in saved_at:
             handles.append(runner.checkpoint(step))
     runner.close()  # waits for the flushes too
     return {
-        "losses": losses[SAVED_AT[-1] :],
-        "paths": [str(h.result().path) for h in handles],
+        "losses": losses[saved_at[-1] :],
+        "paths": [str(h.result().path) if h.exception() is None else f"failed: {h.exception()}" for h in handles],
         "persisted": [h.persisted("pfs") for h in handles],
         "flush_errors": [str(f) for f in runner.flush_failures],
     }
@@ -99,7 +100,12 @@ def resume(workdir: Path, rank: int) -> dict[str, Any]:
     return {"step": counter["step"], "tier": result.tier, "losses": losses}
 
 
-SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {"train": train, "resume": resume}
+SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "train": train,
+    "resume": resume,
+    # One checkpoint after the last step: a node that dies flushing it takes no training down with it.
+    "train-last": functools.partial(train, saved_at=(STEPS,)),
+}
 
 
 def main() -> None:
