@@ -294,7 +294,9 @@ def migrate(
 ) -> MigrateReport:
     """Copy (``move``: then delete from ``source``) committed checkpoint ``step`` to ``target``.
 
-    ``fmt`` rewrites it as ``frames`` or ``hdf5``; None keeps its format. Raises MigrateError,
+    ``fmt`` rewrites it as ``frames`` or ``hdf5``; None keeps its format. A node's part (on a
+    node-scoped tier) is copied as one part of the global checkpoint, published once every node's part
+    is on ``target`` (``waiting_for`` names the nodes still missing). Raises MigrateError,
     CorruptCheckpointError (the source is damaged), ManifestError or OSError; never leaves the
     target with a committed but incomplete checkpoint.
     """
