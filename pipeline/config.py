@@ -37,6 +37,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..tiers.nodes import expand_node
 from ..tiers.policy import FlushPolicy, RetentionPolicy
 from .config_errors import ConfigError, SemanticErrors, read_yaml, render, yaml_type
 from .stage_graph import chain_problems
@@ -111,10 +112,13 @@ class TierConfig(_Strict):
     """One durable filesystem tier (local NVMe, a parallel file system mount, any directory).
 
     ``retention`` says which checkpoints it keeps; ``flush`` makes it receive background copies of
-    the checkpoints the persist tier commits (see tiers/policy.py).
+    the checkpoints the persist tier commits (see tiers/policy.py). ``scope: node``: each node has its
+    own directory (local NVMe, memory), holding only its ranks' files; ``{node}`` in the path stands
+    for the node's name (tiers/nodes.py). ``shared``: one directory every rank sees (PFS).
     """
 
     path: Path
+    scope: Literal["node", "shared"] = "shared"
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
 
@@ -127,7 +131,7 @@ class TierConfig(_Strict):
             return value  # pydantic reports the wrong type
         if not os.fspath(value).strip():
             raise ValueError("must not be empty")
-        return os.path.abspath(os.path.expanduser(value))
+        return os.path.abspath(os.path.expanduser(expand_node(os.fspath(value))))
 
 
 class StageBase(_Strict):

@@ -15,6 +15,10 @@ Why split-then-broadcast rather than one reader per node: the reads, checksums a
 shared bytes are spread over every rank (as the writes were), and the node's storage sees each
 byte once either way. Objects (small Python values) are read by every rank that needs them.
 
+A node's part of a checkpoint (on a node-scoped tier, see :mod:`tiers.nodeparts`) holds only the
+files of that node's ranks, so there the shared regions and objects are read where their file is
+(by the rank that wrote them, with the world size of the save) and sent over the whole group.
+
 Every step of the way is agreed on, so that no rank is ever left waiting in a collective: the
 ranks exchange which steps their tiers hold and take the newest one every rank holds (tiers may
 differ between ranks: a node's own NVMe, a shared PFS); a copy is used only if every rank read its
@@ -46,6 +50,7 @@ from ..tiers.format import Manifest, ObjectRecord, PerRankRecord, stored_key
 from ..tiers.locks import reading
 from ..tiers.multirank import rank_view
 from ..tiers.names import data_file_rank
+from ..tiers.pieces import CorruptCheckpointError
 from ..tiers.reader import read_items
 from ..tiers.reshard import Region, global_shape, read_regions, source_files
 from .assign import balance
@@ -267,8 +272,12 @@ class _CollectiveRead:
                 view, regions, shared = self._plan(manifest, keys)
             except Exception as exc:  # reported by every rank alike, below
                 problem = exc
-            offers = self.group.node_all_gather(shared, f"{where}: sharing out the reads")
-            owner, sizes = _owners(dict(zip(self.group.node_ranks, offers, strict=True)))
+            # A node's part lacks other nodes' files: then regions and objects travel over the whole group.
+            across = any(self.group.all_gather(view is not None and view.node_part is not None, f"{where}: scope"))
+            ranks = list(range(self.group.world_size)) if across else self.group.node_ranks
+            gather = self.group.all_gather if across else self.group.node_all_gather
+            offers = gather(shared, f"{where}: sharing out the reads")
+            owner, sizes = _owners(dict(zip(ranks, offers, strict=True)))
             mine = [k for k, region in regions.items() if owner.get(_ident(region), self.group.rank) == self.group.rank]
             values: dict[str, Any] = {}
             if view is not None:
@@ -283,7 +292,10 @@ class _CollectiveRead:
             failed = [(rank, text, name, more) for rank, (text, name, more) in enumerate(said) if text is not None]
             if failed:
                 return {}, failed
-            self._exchange(where, regions, values, owner, sizes)
+            self._exchange(where, regions, values, owner, sizes, ranks)
+            if across:
+                assert view is not None  # every rank read its part, so every rank has its view
+                self._exchange_objects(where, view, keys, values)
         return {key: values[stored_key(key, view.items[key])] for key in keys}, []
 
     def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
@@ -305,7 +317,7 @@ class _CollectiveRead:
     def _read(
         self, directory: Path, view: Manifest, keys: list[str], regions: dict[str, Region], mine: list[str]
     ) -> dict[str, Any]:
-        objects = sorted({stored_key(k, view.items[k]) for k in keys} - set(regions))
+        objects = sorted(key for key in {stored_key(k, view.items[k]) for k in keys} - set(regions) if _here(view, key))
         values = read_items(directory, view, objects, allow_pickle=self.allow_pickle) if objects else {}
         tensors = read_regions(directory, view, [regions[key] for key in mine])
         self.bytes_read = tensors.bytes_read
@@ -318,10 +330,13 @@ class _CollectiveRead:
         values: dict[str, Any],
         owner: dict[RegionId, int],
         sizes: dict[RegionId, int],
+        ranks: list[int],
     ) -> None:
-        """Each node rank broadcasts the shared regions it read, packed into one buffer, to the others."""
+        """Each of ``ranks`` (the node's, or all) broadcasts the shared regions it read, packed into one
+        buffer, to the others."""
         wanted = {_ident(region): key for key, region in regions.items()}
-        for src in self.group.node_ranks:
+        across = len(ranks) > len(self.group.node_ranks)
+        for src in ranks:
             share = sorted(ident for ident, rank in owner.items() if rank == src)
             if not share:
                 continue
@@ -330,12 +345,41 @@ class _CollectiveRead:
             if src == self.group.rank:
                 for ident, offset in slots:
                     buffer[offset : offset + sizes[ident]] = values[wanted[ident]].reshape(-1).view(torch.uint8)
-            self.group.node_broadcast(buffer, src, f"{where}: receiving the reads of rank {src}")
+            send = self.group.broadcast if across else self.group.node_broadcast
+            send(buffer, src, f"{where}: receiving the reads of rank {src}")
             for ident, offset in slots:
                 if src != self.group.rank and ident in wanted:
                     region = regions[wanted[ident]]
                     raw = buffer[offset : offset + sizes[ident]]
                     values[wanted[ident]] = raw.view(dtype_from_name(region.record.dtype)).reshape(region.box.shape)
+
+
+    def _exchange_objects(self, where: str, view: Manifest, keys: list[str], values: dict[str, Any]) -> None:
+        """A node's part: each rank sends the objects it wrote, so every rank has those from other nodes."""
+        objects = {stored_key(k, view.items[k]) for k in keys} - set(values)
+        sent = {
+            key: value
+            for key, value in values.items()
+            if isinstance(view.items[key], ObjectRecord) and _writer_of(view, key) == self.group.rank
+        }
+        for got in self.group.all_gather(sent, f"{where}: receiving the objects of other nodes"):
+            values |= {key: value for key, value in got.items() if key in objects}
+        missing = sorted(objects - set(values))
+        if missing:
+            raise CorruptCheckpointError(f"{where}: no rank holds the file of object(s) {', '.join(missing)}")
+
+
+def _here(view: Manifest, key: str) -> bool:
+    """Whether the bytes of stored item ``key`` are in the files of this copy (a node's part lacks some)."""
+    record = view.items[key]
+    return not isinstance(record, ObjectRecord) or all(piece.file in view.files for piece in record.pieces)
+
+
+def _writer_of(view: Manifest, key: str) -> int | None:
+    """The rank whose data file holds object ``key``."""
+    record = view.items[key]
+    files = {piece.file for piece in record.pieces} if isinstance(record, ObjectRecord) else set()
+    return data_file_rank(next(iter(files))) if len(files) == 1 else None
 
 
 def _layout(share: list[RegionId], sizes: dict[RegionId, int]) -> tuple[list[tuple[RegionId, int]], int]:

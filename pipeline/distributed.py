@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,6 +38,9 @@ from ..providers.items import ObjectItem, TensorItem
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import Manifest, ManifestBody
 from ..tiers.multirank import RankPart, merge_parts
+from ..tiers.nodeparts import node_part
+from ..tiers.nodes import node_name
+from ..tiers.retention import delete_step
 from .assign import balance
 from .plan import CheckpointPlan, plan_checkpoint
 
@@ -71,6 +73,7 @@ def wanted_group(distributed: bool | None) -> bool:
 class CheckpointGroup:
     """The runner's own gloo group over all ranks, plus one per node for restore's exchange.
 
+    Nodes are told apart by :func:`tiers.nodes.node_name` (the hostname, or ``TIERSTATE_NODE``).
     Created collectively (every rank must construct its runner at the same point of the program).
     """
 
@@ -80,21 +83,27 @@ class CheckpointGroup:
         self.timeout = timeout
         self.broken: str | None = None
         self.group = _member(dist.new_group(backend="gloo", timeout=timeout), "checkpoint")
-        hosts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        by_host: dict[str, list[int]] = defaultdict(list)
-        for rank, host in enumerate(hosts):
-            by_host[host].append(rank)
-        nodes = sorted(by_host.values())
-        self.node_ranks = by_host[hosts[self.rank]]
+        names: list[Any] = [None] * self.world_size
+        dist.all_gather_object(names, node_name(), group=self.group)
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for rank, name in enumerate(names):
+            by_node[name].append(rank)
+        self.node_name: str = names[self.rank]
+        self.nodes = dict(sorted(by_node.items()))  # node name -> its ranks, ascending
+        self.node_ranks = by_node[self.node_name]
         self.node = self.group
-        if len(nodes) > 1:
-            node, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend="gloo")
+        if len(by_node) > 1:
+            node, _ = dist.new_subgroups_by_enumeration(sorted(by_node.values()), timeout=timeout, backend="gloo")
             self.node = _member(node, "node")
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_node_leader(self) -> bool:
+        """The rank that opens, commits and flushes this node's part on a node-scoped tier."""
+        return self.rank == self.node_ranks[0]
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         if self.broken is not None:
@@ -144,6 +153,10 @@ class CheckpointGroup:
         """Broadcast a host tensor from global rank ``src`` to the ranks of its node, in place."""
         self._run(what, lambda: dist.broadcast(tensor, src=src, group=self.node))
 
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        """Broadcast a host tensor from global rank ``src`` to every rank, in place."""
+        self._run(what, lambda: dist.broadcast(tensor, src=src, group=self.group))
+
     def close(self) -> None:
         """Release the groups, unless torch.distributed is already shut down (which released them)."""
         if dist.is_initialized():
@@ -181,21 +194,30 @@ class DistributedCommit:
     """The two-phase commit of one checkpoint on one rank (see the module docstring)."""
 
     def __init__(
-        self, group: CheckpointGroup, tier: FilesystemTier, chunk_size: int, declined: BaseException | None = None
+        self,
+        group: CheckpointGroup,
+        tier: FilesystemTier,
+        chunk_size: int,
+        declined: BaseException | None = None,
+        node_scoped: bool = False,
     ) -> None:
         """``declined``: why this rank cannot take part (its state failed to describe); it still
-        joins the opening, so that every rank gives the step up instead of waiting for this one."""
+        joins the opening, so that every rank gives the step up instead of waiting for this one.
+        ``node_scoped``: ``tier`` is this node's own directory; each node's leader opens and commits
+        its node's part (tiers/nodeparts.py), and the step exists once every node committed its part."""
         self.group = group
         self.tier = tier
         self.chunk_size = chunk_size
         self.declined = declined
+        self.node_scoped = node_scoped
+        self._opens = group.is_node_leader if node_scoped else group.is_leader  # creates the partial directory
         self._open = False
         self._replicated: set[str] = set()
 
     # --- phase 1: open ------------------------------------------------------------------------
     def begin(self, step: int, plan: CheckpointPlan) -> tuple[Path, CheckpointPlan]:
         refused = None if self.declined is None else _reason(self.declined)
-        if self.group.is_leader and refused is None:
+        if self._opens and refused is None:
             try:
                 self.tier.begin(step)
             except Exception as exc:
@@ -207,7 +229,7 @@ class DistributedCommit:
             offers = self.group.all_gather(offer, f"step {step}: opening")
             mine = self._my_replicas(step, offers)
         except BaseException:
-            if self.group.is_leader:
+            if self._opens:
                 self.tier.abort(step)
             raise
         self._open = True
@@ -273,12 +295,46 @@ class DistributedCommit:
             outcome = self._outcome(step, votes) if votes is not None else None
             outcome = self.group.from_leader(outcome, f"step {step}: announcing the outcome")
         except GroupLost:
-            if self.group.is_leader:
+            if self._opens:
                 self.tier.abort(step)
             raise
         if "refused" in outcome:
+            if self._opens:
+                self.tier.abort(step)  # a no-op where the leader already removed it
             raise CheckpointAborted(outcome["refused"])
+        if "whole" in outcome:
+            return self._commit_node_parts(step, outcome["whole"])
         return Path(outcome["path"])
+
+    def _commit_node_parts(self, step: int, whole: Manifest) -> Path:
+        """Node scope: each node's leader commits its part; the step stands only if every node's did."""
+        error = None
+        if self._opens:
+            try:
+                part = node_part(whole, self.group.node_name, self.group.node_ranks, list(self.group.nodes))
+                self._check_visible(step, part)
+                self.tier.commit(step, part)
+            except Exception as exc:
+                error = f"node {self.group.node_name} (rank {self.group.rank}): {_reason(exc)}"
+                self.tier.abort(step)
+        try:
+            said = self.group.all_gather(error, f"step {step}: committing the node parts")
+        except GroupLost:
+            self._withdraw(step, error)
+            raise
+        failures = [text for text in said if text is not None]
+        if failures:
+            self._withdraw(step, error)
+            raise CheckpointAborted(f"step {step} was not committed: {'; '.join(failures)}")
+        return self.tier.step_dir(step)
+
+    def _withdraw(self, step: int, error: str | None) -> None:
+        """Delete this node's committed part of a step that another node failed to commit."""
+        if self._opens and error is None:
+            try:
+                delete_step(self.tier, step)
+            except OSError as exc:
+                log.error("step %d: could not withdraw node %s's part: %s", step, self.group.node_name, exc)
 
     def _check_visible(self, step: int, merged: Manifest) -> None:
         """Every rank's files must be here, whole: a tier that is not one shared directory fails now."""
@@ -289,11 +345,11 @@ class DistributedCommit:
             if size != record.size:
                 seen = "missing" if size is None else f"{size} bytes, not {record.size}"
                 raise CheckpointAborted(
-                    f"{path} is {seen} as rank 0 sees it; with many ranks, tier {self.tier.name} "
-                    f"({self.tier.root}) must be one directory that every rank shares"
+                    f"{path} is {seen} as rank {self.group.rank} sees it; with many ranks, tier {self.tier.name} "
+                    f"({self.tier.root}) must be one directory that every rank shares, or say scope: node"
                 )
 
-    def _outcome(self, step: int, votes: list[dict[str, Any]]) -> dict[str, str]:
+    def _outcome(self, step: int, votes: list[dict[str, Any]]) -> dict[str, Any]:
         """On the leader: commit if every rank voted yes, else remove the partial directory."""
         refusals = [f"rank {rank}: {v['refused']}" for rank, v in enumerate(votes) if v["refused"]]
         if not refusals:
@@ -303,6 +359,8 @@ class DistributedCommit:
                     for rank, v in enumerate(votes)
                 ]
                 merged = merge_parts(step, parts)
+                if self.node_scoped:
+                    return {"whole": merged}  # each node's leader commits its part of it
                 self._check_visible(step, merged)
                 return {"path": str(self.tier.commit(step, merged))}
             except Exception as exc:

@@ -9,6 +9,10 @@ never hold up the next checkpoint's writes. After each commit and each flush, re
 (:func:`tiers.retention.prune`) applies every tier's ``retention`` policy; it never deletes a
 checkpoint still due on a flush tier, so a pending or failed flush keeps its NVMe copy.
 
+With many ranks and a node-scoped persist tier (each node its own NVMe), every node's leader copies
+its node's part; the global checkpoint appears on the shared tier once the last part is there
+(:mod:`tiers.nodeparts`), and every rank waits for that before its handle says ``persisted``.
+
 A failed flush, like a failed checkpoint, never reaches the training loop: it is logged, recorded
 on the handle (``flush_errors``, and its tier's future) and in ``failures``; ``drain`` (called by
 ``runner.close()``) waits for every flush and reports them all.
@@ -22,10 +26,13 @@ import functools
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tierstate.errors import TierstateError
 
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.migrate import migrate
+from ..tiers.migrate import MigrateReport, migrate
+from ..tiers.nodeparts import parts_present
 from ..tiers.pacing import Pacer
 from ..tiers.policy import FlushPolicy
 from ..tiers.retention import TierPolicies, prune
@@ -33,7 +40,36 @@ from .config import PipelineConfig
 from .handle import HandleCompleter
 from .units import run_blocking
 
+if TYPE_CHECKING:
+    from .distributed import CheckpointGroup
+
 log = logging.getLogger("tierstate")
+
+
+class PartsMissing(TierstateError, TimeoutError):
+    """A node's part is on the shared tier, but other nodes' parts did not arrive in time; names them."""
+
+
+@dataclass(frozen=True)
+class FlushRole:
+    """What one rank's flusher does: everything (one process), nothing (the non-committing ranks of a
+    shared persist tier), or, on a node-scoped persist tier, copy its node's part (the node's leader),
+    wait for the global checkpoint (every rank, up to ``wait_s``) and prune the tiers in ``prunes``."""
+
+    active: bool = True
+    copies: bool = True
+    prunes: frozenset[str] | None = None  # the tiers retention may delete from; None: all of them
+    wait_s: float = 0.0  # > 0: the global checkpoint is published by whichever node finishes last
+
+    @classmethod
+    def of(cls, config: PipelineConfig, group: CheckpointGroup | None, wait_s: float) -> FlushRole:
+        if group is None:
+            return cls()
+        if config.tiers[config.persist_tier].scope == "shared":
+            return cls(active=group.is_leader)
+        node_tiers = frozenset(name for name, tier in config.tiers.items() if tier.scope == "node")
+        prunes = None if group.is_leader else node_tiers if group.is_node_leader else frozenset()
+        return cls(copies=group.is_node_leader, prunes=prunes, wait_s=wait_s)
 
 
 @dataclass(frozen=True)
@@ -60,10 +96,14 @@ class Flusher:
     """The runner's background flushes and retention; all methods but ``drain`` run on its loop."""
 
     def __init__(
-        self, config: PipelineConfig, tiers: list[FilesystemTier], loop: asyncio.AbstractEventLoop, active: bool = True
+        self,
+        config: PipelineConfig,
+        tiers: list[FilesystemTier],
+        loop: asyncio.AbstractEventLoop,
+        role: FlushRole = FlushRole(),
     ) -> None:
-        """``active=False``: do nothing (the ranks of a multi-rank job that do not commit)."""
-        self._active = active
+        self._role = role
+        self._active = role.active
         by_name = {tier.name: tier for tier in tiers}
         self._loop = loop
         self._source = by_name[config.persist_tier]
@@ -73,7 +113,7 @@ class Flusher:
             for name, t in config.tiers.items()
             if t.flush is not None
         ]
-        self._prunes = any(p.retention.active for p in self._policies)
+        self._prunes = role.prunes != frozenset() and any(p.retention.active for p in self._policies)
         self._align = int(config.align)
         workers = sum(t.policy.workers for t in self._targets) + 1  # + 1: retention runs beside the copies
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierstate-flush")
@@ -115,24 +155,52 @@ class Flusher:
             target.active += 1
             target.peak = max(target.peak, target.active)
             try:
-                copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
-                report = await run_blocking(self._pool, copy, step, self._source, target.tier)
+                report = None
+                if self._role.copies:
+                    copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
+                    report = await run_blocking(self._pool, copy, step, self._source, target.tier)
             except Exception as exc:  # reported, never raised into training
-                log.error("flush of step %d to tier %s failed: %s: %s", step, name, type(exc).__name__, exc)
-                completer.flush_failed(name, exc)
-                self.failures.append(FlushFailure(step, name, exc))
+                self._failed(completer, name, exc)
                 return
             finally:
                 target.active -= 1
-        log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
-        completer.persisted(name, report.path)
+        if report is not None:
+            log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
+        if self._role.wait_s and (report is None or report.waiting_for):
+            try:
+                await self._published(step, target.tier, report)
+            except Exception as exc:
+                self._failed(completer, name, exc)
+                return
+        completer.persisted(name, target.tier.step_dir(step))
         if self._prunes:
             await self._prune()
+
+    def _failed(self, completer: HandleCompleter, name: str, exc: BaseException) -> None:
+        log.error("flush of step %d to tier %s failed: %s: %s", completer.step, name, type(exc).__name__, exc)
+        completer.flush_failed(name, exc)
+        self.failures.append(FlushFailure(completer.step, name, exc))
+
+    async def _published(self, step: int, tier: FilesystemTier, report: MigrateReport | None) -> None:
+        """Wait until the other nodes' parts complete ``step`` on ``tier`` (see :class:`FlushRole`)."""
+        deadline = self._loop.time() + self._role.wait_s
+        pause = 0.02
+        while step not in await run_blocking(self._pool, tier.steps):
+            if self._loop.time() >= deadline:
+                _, missing = await run_blocking(self._pool, parts_present, tier.partial_dir(step), step)
+                mine = "" if report is None else f"this node's part is there ({report.outcome}); "
+                raise PartsMissing(
+                    f"step {step} is not on tier {tier.name} after {self._role.wait_s:g} s: {mine}still missing "
+                    f"the part(s) of node(s) {', '.join(missing)} in {tier.partial_dir(step)}"
+                )
+            await asyncio.sleep(pause)  # another node's copy ends on its own schedule: nothing to wait on here
+            pause = min(1.0, pause * 2)
 
     async def _prune(self) -> None:
         async with self._prune_lock:  # one pass at a time: each sees the deletions of the one before
             try:
-                decisions = await run_blocking(self._pool, prune, self._policies)
+                prune_all = functools.partial(prune, only=self._role.prunes)
+                decisions = await run_blocking(self._pool, prune_all, self._policies)
             except Exception as exc:
                 log.error("retention failed: %s: %s", type(exc).__name__, exc)
                 return

@@ -41,7 +41,7 @@ from .capture import SlabCopier, record_ready_event
 from .config import PipelineConfig, load_config, parse_config
 from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
-from .flush import Flusher, FlushFailure
+from .flush import Flusher, FlushFailure, FlushRole
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext, JobStats
 from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
@@ -108,9 +108,8 @@ class Runner:
         self._owner_pid = os.getpid()
         # The latest checkpoints that reached the pipeline, oldest first, with their stage statistics.
         self.history: collections.deque[tuple[CheckpointHandle, JobStats]] = collections.deque(maxlen=history_size)
-        # Background flushes to slower tiers and retention (pipeline/flush.py); only the committing rank's.
-        leader = self._group is None or self._group.is_leader
-        self._flusher = Flusher(config, self.tiers, self._loop, active=leader)
+        # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
+        self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
         self.flush_failures: list[FlushFailure] = []
         # Not atexit.register: at interpreter exit the thread pools refuse new work before atexit
         # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
@@ -209,7 +208,8 @@ class Runner:
             self._inflight = completer
             many = self._group is not None
             slab = self.cache.slab_size
-            commit = DistributedCommit(self._group, self.durable_tier, slab, declined) if many else None
+            node_scoped = self.config.tiers[self.config.persist_tier].scope == "node"
+            commit = DistributedCommit(self._group, self.durable_tier, slab, declined, node_scoped) if many else None
             ctx = JobContext(
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )

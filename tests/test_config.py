@@ -270,8 +270,8 @@ def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
 
 
 def test_unknown_key_without_close_match_lists_valid_keys(tmp_path: Path) -> None:
-    data = minimal(tiers__nvme__speed="fast")
-    assert problems_of(tmp_path, data) == ["tiers.nvme.speed: unknown key (valid keys: path, retention, flush)"]
+    data = minimal(tiers__nvme__colour="blue")
+    assert problems_of(tmp_path, data) == ["tiers.nvme.colour: unknown key (valid keys: path, scope, retention, flush)"]
 
 
 def test_wrong_type_names_expected_and_given(tmp_path: Path) -> None:

@@ -18,7 +18,15 @@ from typing import Annotated, Any, Literal, cast
 
 import msgpack
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from tierstate.errors import TierstateError
 
@@ -28,7 +36,9 @@ from .dtypes import UnknownDtypeError, dtype_from_name
 from .names import data_file_name, data_file_rank, parse_rank_file
 
 FORMAT_NAME = "tierstate"
-FORMAT_VERSION = 2  # the newest this reads; 2 adds the multi-rank kinds "sharded" and "per_rank"
+FORMAT_VERSION = 3  # the newest this reads
+MULTI_RANK_VERSION = 2  # 2 adds the multi-rank kinds "sharded" and "per_rank"
+NODE_PART_VERSION = 3  # 3 adds ``node_part``: a node's part of a checkpoint, on a node-scoped tier
 MANIFEST_NAME = "manifest.json"
 MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes before allocation
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
@@ -150,6 +160,19 @@ def stored_key(key: str, record: AnyRecord) -> str:
     return record.of if isinstance(record, AliasRecord) else key
 
 
+class NodePart(_Strict):
+    """Marks a manifest as one node's part of a multi-rank checkpoint (on a node-scoped tier).
+
+    Its ``items`` are the whole checkpoint's, but ``files`` and ``indexes`` list only those of
+    ``ranks`` (this node's), so pieces may lie in files of other nodes' ranks, which are not here.
+    ``nodes``: every node holding a part, so a flush knows when all of them reached a shared tier.
+    """
+
+    node: Annotated[str, Field(min_length=1)]
+    ranks: list[Annotated[int, Field(ge=0)]]
+    nodes: list[Annotated[str, Field(min_length=1)]]
+
+
 class Manifest(_Strict):
     format: Literal["tierstate"] = FORMAT_NAME
     version: int = 1  # the oldest format that can express it: single-rank manifests stay readable by v1
@@ -159,6 +182,15 @@ class Manifest(_Strict):
     files: dict[str, FileRecord]
     indexes: dict[str, str] = {}
     items: dict[str, ItemRecord]
+    node_part: NodePart | None = None
+
+    @model_serializer(mode="wrap")
+    def _whole_checkpoints_as_before(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``node_part`` is left out unless set, so a whole checkpoint's JSON is what older readers read."""
+        body: dict[str, Any] = dump(self)
+        if self.node_part is None:
+            body.pop("node_part", None)
+        return body
 
     def item_nbytes(self, key: str) -> int:
         return self.record_nbytes(self.items[key])
@@ -334,17 +366,20 @@ def _check_item(manifest: Manifest, key: str, item: AnyRecord) -> None:
             raise ValueError(f"absurd shape {item.shape}")
     nbytes = manifest.record_nbytes(item)
     covered = 0
+    elsewhere = manifest.node_part.ranks if manifest.node_part else None
     for piece in sorted(item.pieces, key=lambda p: p.item_offset):
+        if piece.item_offset != covered:
+            raise ValueError(f"pieces leave a gap or overlap at byte {covered}")
+        covered += piece.length
         record = manifest.files.get(piece.file)
+        if record is None and elsewhere is not None and data_file_rank(piece.file) not in (None, *elsewhere):
+            continue  # in another node's file: that node's part checks it
         if record is None:
             raise ValueError(f"piece in unknown file {piece.file!r}")
         if piece.frame >= len(record.frames):
             raise ValueError(f"piece in frame {piece.frame} of {piece.file}, which has {len(record.frames)}")
         if piece.offset + piece.length > record.frames[piece.frame].raw_length:
             raise ValueError(f"piece overruns frame {piece.frame} of {piece.file}")
-        if piece.item_offset != covered:
-            raise ValueError(f"pieces leave a gap or overlap at byte {covered}")
-        covered += piece.length
     if covered != nbytes:
         raise ValueError(f"pieces cover {covered} bytes, the item has {nbytes}")
 

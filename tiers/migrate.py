@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tierstate.errors import TierstateError
@@ -35,9 +35,10 @@ from . import faults
 from .container import Format
 from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
-from .format import FileRecord, FrameRecord, Manifest, checksum, write_durably
+from .format import FileRecord, FrameRecord, Manifest, checksum, manifest_bytes, write_durably
 from .framefile import BLOCK, hash_range
 from .locks import InUseError, exclusive, reading
+from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
 from .retention import delete_step
@@ -67,6 +68,7 @@ class MigrateReport:
     bytes_reused: int = 0
     seconds: float = 0.0
     moved: bool = False
+    waiting_for: list[str] = field(default_factory=list)  # a node's part: nodes whose parts are not there yet
 
     @property
     def gbps(self) -> float:
@@ -277,6 +279,35 @@ def _publish(
     write_stamp(report.path)
 
 
+def _publish_part(
+    source_dir: Path,
+    manifest: Manifest,
+    target: FilesystemTier,
+    report: MigrateReport,
+    fmt: Format,
+    pacer: Pacer | None,
+    progress: Progress | None,
+) -> None:
+    """A node's part (tiers/nodeparts.py): its files into the shared partial, resumably and verified as
+    any copy, then its marker; the global checkpoint is published once every node's part is there."""
+    part = manifest.node_part
+    assert part is not None
+    if fmt != container_format(manifest, str(source_dir)):
+        raise MigrateError(
+            f"step {manifest.step} on node {part.node} is one node's part: it is copied as it is; "
+            "convert the published checkpoint instead"
+        )
+    partial = target.partial_dir(manifest.step)
+    partial.mkdir(parents=True, exist_ok=True)
+    with reading(partial):  # shared with the other nodes' copies; garbage collection leaves it alone
+        _copy_all(source_dir, manifest, partial, report, pacer, progress)
+        write_durably(partial / part_marker(part.node), manifest_bytes(manifest))
+    report.waiting_for = publish_parts(target, manifest.step)
+    report.outcome = "part copied" if report.waiting_for else "copied"
+    if not report.waiting_for:
+        write_stamp(report.path)
+
+
 def migrate(
     step: int,
     source: FilesystemTier,
@@ -291,7 +322,9 @@ def migrate(
     """Copy (``move``: then delete from ``source``) committed checkpoint ``step`` to ``target``.
 
     ``fmt`` rewrites it as ``frames`` or ``hdf5`` (also a copy the target holds in the other format);
-    None keeps its format. Raises MigrateError,
+    None keeps its format. A node's part (on a node-scoped tier) is copied as one part of the global
+    checkpoint, published once every node's part is on ``target`` (``waiting_for`` names the nodes
+    still missing). Raises MigrateError,
     CorruptCheckpointError (the source is damaged), ManifestError or OSError; never leaves the
     target with a committed but incomplete checkpoint.
     """
@@ -317,8 +350,15 @@ def migrate(
                 problems = verify_directory(report.path, existing)
                 if problems:
                     raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
+        elif manifest.node_part is not None:
+            _publish_part(source_dir, manifest, target, report, wanted, pacer, progress)
         else:
             _publish(source_dir, manifest, target, report, wanted, align, pacer, progress, existing is not None)
+    if move and report.waiting_for:
+        raise MigrateError(
+            f"not moving step {step}: its global checkpoint on {target.name} still lacks the parts of "
+            f"node(s) {', '.join(report.waiting_for)}, so this part is still needed"
+        )
     if move:
         delete_step(source, step)
         report.moved = True

@@ -14,13 +14,13 @@ A manifest that uses neither multi-rank kind keeps format version 1, so older re
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from .format import (
-    FORMAT_VERSION,
+    MULTI_RANK_VERSION,
     AliasRecord,
     AnyRecord,
     Manifest,
@@ -81,9 +81,8 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
     items: dict[str, AnyRecord] = dict(plain)
     items |= {key: PerRankRecord(ranks=values) for key, values in own.items()}
     items |= {key: _sharded(step, key, written) for key, written in shards.items()}
-    multi = any(isinstance(r, ShardedRecord | PerRankRecord) for r in items.values())
     return Manifest(
-        version=FORMAT_VERSION if multi else 1,
+        version=oldest_version(items),
         step=step,
         created=now_iso(),
         world_size=len(parts),
@@ -91,6 +90,12 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
         indexes=indexes,
         items={key: items[key] for key in sorted(items)},
     )
+
+
+def oldest_version(items: Mapping[str, AnyRecord]) -> int:
+    """The oldest format version that can express ``items``: 1 unless a multi-rank kind is among them."""
+    multi = any(isinstance(r, ShardedRecord | PerRankRecord) for r in items.values())
+    return MULTI_RANK_VERSION if multi else 1
 
 
 def _check_one_placement(step: int, placed: dict[str, dict[int, str]]) -> None:

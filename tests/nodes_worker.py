@@ -1,0 +1,125 @@
+"""What each rank runs for tests/test_nodes.py: one rank per simulated node, NVMe per node.
+
+Usage (one launch per node, ``TIERSTATE_NODE`` naming it): ``torchrun --nnodes=2 --nproc_per_node=1
+--node_rank=I --master_addr=127.0.0.1 --master_port=P tests/nodes_worker.py WORKDIR SCENARIO...``.
+The NVMe tier is ``WORKDIR/nodes/{node}/nvme`` (scope: node): no rank looks into another node's.
+The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. What a rank saw goes to
+``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "default.yaml"
+STEPS = 8
+SAVED_AT = (2, 4)
+GROUP_TIMEOUT_S = 20  # also how long a node waits for the others' parts on the PFS
+
+
+def _runner(workdir: Path) -> Runner:
+    settings = {
+        "tiers": {
+            "nvme": {"path": str(workdir / "nodes" / "{node}" / "nvme"), "scope": "node"},
+            "pfs": {"path": str(workdir / "pfs"), "flush": {"every": 1}},
+        }
+    }
+    return Runner.from_yaml(CONFIG, settings, group_timeout=GROUP_TIMEOUT_S)
+
+
+def _ddp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    x = torch.randn(8, 16)  # each rank its own data, from its own RNG stream
+    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _register(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, counter: dict) -> None:
+    runner.register(
+        model=ModuleProvider(model, replicated=True),
+        optim=OptimizerProvider(opt, replicated=True),
+        rng=RNGProvider(),
+        trainer=ObjectProvider(counter, replicated=True),
+    )
+
+
+def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT) -> dict[str, Any]:
+    """Eight DDP steps, checkpoints after steps 2 and 4; the losses after step 4 are the reference."""
+    model, opt = _ddp(seed=0)
+    torch.manual_seed(100 + rank)
+    counter = {"step": 0}
+    runner = _runner(workdir)
+    _register(runner, model, opt, counter)
+    handles, losses = [], []
+    for step in range(1, STEPS + 1):
+        losses.append(_step(model, opt))
+        counter["step"] = step
+        if step in saved_at:
+            handles.append(runner.checkpoint(step))
+    runner.close()  # waits for the flushes too
+    return {
+        "losses": losses[saved_at[-1] :],
+        "paths": [str(h.result().path) if h.exception() is None else f"failed: {h.exception()}" for h in handles],
+        "persisted": [h.persisted("pfs") for h in handles],
+        "flush_errors": [str(f) for f in runner.flush_failures],
+    }
+
+
+def resume(workdir: Path, rank: int) -> dict[str, Any]:
+    """A new job from other weights: restore the latest step, run to the end; the same losses expected."""
+    model, opt = _ddp(seed=123)
+    torch.manual_seed(7)
+    counter = {"step": -1}
+    runner = _runner(workdir)
+    _register(runner, model, opt, counter)
+    result = runner.restore("latest")
+    losses = [_step(model, opt) for _ in range(counter["step"], STEPS)]
+    runner.close()
+    return {"step": counter["step"], "tier": result.tier, "losses": losses}
+
+
+SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
+    "train": train,
+    "resume": resume,
+    # One checkpoint after the last step: a node that dies flushing it takes no training down with it.
+    "train-last": functools.partial(train, saved_at=(STEPS,)),
+}
+
+
+def main() -> None:
+    workdir, names = Path(sys.argv[1]), sys.argv[2:]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for name in names:
+        facts = SCENARIOS[name](workdir, rank)
+        out = workdir / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank-{rank}.json").write_text(json.dumps(facts, indent=1))
+        print(f"NODES-DONE {name}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

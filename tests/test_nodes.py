@@ -1,0 +1,150 @@
+"""Two nodes, for real: two ``torchrun`` launches (one rank each) with their own NVMe directory.
+
+Each launch is a node (``TIERSTATE_NODE=n0`` / ``n1``); the NVMe tier is ``nodes/{node}/nvme``
+(scope: node), the PFS one directory both see. The ranks train a DDP model with per-rank RNG (see
+tests/nodes_worker.py), checkpoint at steps 2 and 4, and a second pair of launches restores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import REPO
+from tierstate.tiers.faults import ENV as FAULT_ENV
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.migrate import migrate
+from tierstate.tiers.verify import verify_step
+
+WORKER = REPO / "tests" / "nodes_worker.py"
+LAUNCH_TIMEOUT_S = 120
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(workdir: Path, scenario: str, port: int, node: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+        "--master_addr=127.0.0.1", f"--master_port={port}", str(WORKER), str(workdir), scenario,
+    ]  # fmt: skip
+    environment = {**os.environ, "TIERSTATE_NODE": f"n{node}", **(env or {})}
+    return subprocess.Popen(
+        command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def two_nodes(workdir: Path, scenario: str) -> None:
+    """Both nodes run ``scenario`` to the end and succeed."""
+    port = free_port()
+    nodes = [launch(workdir, scenario, port, node) for node in (0, 1)]
+    for node, proc in enumerate(nodes):
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert proc.returncode == 0, f"node n{node}, {scenario}:\n{out[-6000:]}"
+
+
+def facts(workdir: Path, scenario: str, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
+    return [json.loads((workdir / scenario / f"rank-{rank}.json").read_text()) for rank in ranks]
+
+
+def nvme(workdir: Path, node: str) -> FilesystemTier:
+    return FilesystemTier("nvme", workdir / "nodes" / node / "nvme")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("nodes")
+    two_nodes(workdir, "train")
+    two_nodes(workdir, "resume")  # a new job on the same nodes
+    return workdir
+
+
+def test_each_node_commits_its_own_part_on_its_own_nvme(trained):
+    for rank, seen in enumerate(facts(trained, "train")):
+        assert seen["paths"] == [str(nvme(trained, f"n{rank}").step_dir(s)) for s in (2, 4)]
+    for rank, node in enumerate(("n0", "n1")):
+        tier = nvme(trained, node)
+        assert tier.steps() == [2, 4]
+        assert sorted(p.name for p in tier.step_dir(4).iterdir()) == [
+            "manifest.json", f"rank-0000{rank}.data", f"rank-0000{rank}.index",
+        ]  # fmt: skip
+        part = tier.manifest(4)
+        assert part.node_part is not None
+        assert (part.node_part.node, part.node_part.ranks, part.node_part.nodes) == (node, [rank], ["n0", "n1"])
+        assert list(part.files) == [f"rank-0000{rank}.data"]
+        assert part.items["rng/torch"].kind == "per_rank" and "model/module.0.weight" in part.items
+        assert verify_step(tier, 4).ok
+
+
+def test_the_pfs_gets_the_global_checkpoint_and_every_rank_hears_of_it(trained):
+    pfs = FilesystemTier("pfs", trained / "pfs")
+    assert pfs.steps() == [2, 4]
+    for step in (2, 4):
+        manifest = pfs.manifest(step)
+        assert manifest.node_part is None and manifest.world_size == 2
+        assert sorted(manifest.files) == ["rank-00000.data", "rank-00001.data"]
+        assert manifest.items == nvme(trained, "n1").manifest(step).items
+        assert verify_step(pfs, step).ok
+    for seen in facts(trained, "train"):
+        assert seen["persisted"] == [True, True] and seen["flush_errors"] == []
+
+
+def test_restart_restores_from_nvme_and_resumes_the_same_losses(trained):
+    for before, after in zip(facts(trained, "train"), facts(trained, "resume"), strict=True):
+        assert after["step"] == 4 and after["tier"] == "nvme"
+        assert after["losses"] == before["losses"]
+    reference = facts(trained, "train")
+    assert reference[0]["losses"] != reference[1]["losses"]  # each rank its own data: RNG per rank came back
+
+
+def test_a_node_killed_during_its_flush_leaves_no_global_checkpoint_until_its_part_is_there(tmp_path):
+    port = free_port()
+    survivor = launch(tmp_path, "train-last", port, 0)
+    killed = launch(tmp_path, "train-last", port, 1, {FAULT_ENV: "migrate.frame@1"})  # SIGKILL in its first flush
+    guard = threading.Timer(LAUNCH_TIMEOUT_S, lambda: [os.killpg(p.pid, signal.SIGKILL) for p in (survivor, killed)])
+    guard.start()
+    try:
+        out, _ = killed.communicate()
+        assert killed.returncode != 0, out[-3000:]
+        seen = []
+        for line in survivor.stdout or []:  # until n0 recorded its facts; its agent then waits for n1's
+            seen.append(line)
+            if line.startswith("NODES-DONE"):
+                break
+        assert seen and seen[-1].startswith("NODES-DONE"), "".join(seen)[-6000:]
+    finally:
+        guard.cancel()
+        os.killpg(survivor.pid, signal.SIGKILL)
+        survivor.communicate()
+    pfs = FilesystemTier("pfs", tmp_path / "pfs")
+    assert pfs.steps() == []  # n0's part of step 8 is there, n1's is not: no global checkpoint
+    assert (pfs.partial_dir(8) / "node-n0.part").is_file()
+    assert not (pfs.partial_dir(8) / "node-n1.part").exists()
+    (survivor_facts,) = facts(tmp_path, "train-last", (0,))
+    assert survivor_facts["persisted"] == [False]
+    assert "step 8 is not on tier pfs" in survivor_facts["flush_errors"][0]
+    assert "node(s) n1" in survivor_facts["flush_errors"][0]
+    assert nvme(tmp_path, "n1").steps() == [8]  # n1 committed step 8 before it died flushing it
+
+    report = migrate(8, nvme(tmp_path, "n1"), pfs)  # n1's part, flushed again: the last one
+    assert report.outcome == "copied" and report.waiting_for == []
+    assert pfs.steps() == [8] and verify_step(pfs, 8).ok
+    assert sorted(pfs.manifest(8).files) == ["rank-00000.data", "rank-00001.data"]
