@@ -20,7 +20,7 @@ import os
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, overload
 
 from pydantic import (
     AfterValidator,
@@ -146,19 +146,19 @@ class StageBase(_Strict):
 class CaptureStage(StageBase):
     """Copies device tensors into host-cache slabs (lazy: overlapped with forward/backward)."""
 
-    kind: Literal["capture"] = "capture"
+    kind: Literal["capture"] = "capture"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
 
 
 class SerializeStage(StageBase):
     """Lays items out as frames in chunks and serializes metadata and Python objects."""
 
-    kind: Literal["serialize"] = "serialize"
+    kind: Literal["serialize"] = "serialize"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
 
 
 class CompressStage(StageBase):
     """Optional compression of chunks; ``codec: none`` keeps the stage but passes bytes through."""
 
-    kind: Literal["compress"] = "compress"
+    kind: Literal["compress"] = "compress"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
     codec: Literal["none", "zstd"] = "zstd"
     level: Annotated[StrictInt, Field(ge=-7, le=22)] = 1  # configs/compressed.yaml says why
     threads: Annotated[StrictInt, Field(ge=0)] = 0
@@ -169,7 +169,7 @@ class CompressStage(StageBase):
 class PersistStage(StageBase):
     """Writes chunks to the first durable tier; ``bandwidth`` (bytes/s) throttles it, null = unlimited."""
 
-    kind: Literal["persist"] = "persist"
+    kind: Literal["persist"] = "persist"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
     tier: str
     bandwidth: Annotated[ByteSize, _at_least(1)] | None = None
     # Transient write errors (ENOSPC, EIO, ...) of a frame or the index are retried this many times,
@@ -304,6 +304,12 @@ class PipelineConfig(_Strict):
             name = stages[name].next
         return ordered
 
+    @overload
+    def stage_of_kind(self, kind: Literal["persist"]) -> PersistStage | None: ...
+    @overload
+    def stage_of_kind(self, kind: Literal["compress"]) -> CompressStage | None: ...
+    @overload
+    def stage_of_kind(self, kind: str) -> StageConfig | None: ...
     def stage_of_kind(self, kind: str) -> StageConfig | None:
         """The stage of ``kind`` (each kind occurs at most once), or None, e.g. without compress."""
         return next((stage for _, stage in self.chain() if stage.kind == kind), None)
