@@ -46,7 +46,7 @@ from ..providers.items import TensorItem
 from ..tiers.boxes import Box
 from ..tiers.dtypes import dtype_from_name
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import Manifest, ObjectRecord, PerRankRecord, stored_key
+from ..tiers.format import Manifest, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
 from ..tiers.locks import reading
 from ..tiers.multirank import rank_view
 from ..tiers.names import data_file_rank
@@ -221,7 +221,7 @@ def _live_layouts(provider: CompositeProvider, view: Manifest, keys: list[str]) 
     expect to (state that does not exist yet, such as a fresh optimizer's); a tensor absent is held whole."""
     live = {item.key: item for item in provider.describe() if isinstance(item, TensorItem)}
     stored = {stored_key(k, view.items[k]) for k in keys} - set(live)
-    unknown = {k: global_shape(view.items[k]) for k in stored if not isinstance(view.items[k], ObjectRecord)}
+    unknown = {k: global_shape(r) for k in stored if isinstance(r := view.items[k], (TensorRecord, ShardedRecord))}
     return live | provider.restore_targets(unknown)
 
 
@@ -292,9 +292,9 @@ class _CollectiveRead:
             failed = [(rank, text, name, more) for rank, (text, name, more) in enumerate(said) if text is not None]
             if failed:
                 return {}, failed
+            assert view is not None  # every rank read its part, so every rank has its view
             self._exchange(where, regions, values, owner, sizes, ranks)
             if across:
-                assert view is not None  # every rank read its part, so every rank has its view
                 self._exchange_objects(where, view, keys, values)
         return {key: values[stored_key(key, view.items[key])] for key in keys}, []
 
@@ -305,7 +305,7 @@ class _CollectiveRead:
         regions: dict[str, Region] = {}
         for key in sorted({stored_key(k, view.items[k]) for k in keys}):
             record = view.items[key]
-            if not isinstance(record, ObjectRecord):
+            if isinstance(record, (TensorRecord, ShardedRecord)):  # a rank's view resolves aliases and ranks
                 regions[key] = Region(key, record, _target_box(key, record, live.get(key)))
         shared = {
             _ident(region): (region.box.numel * dtype_from_name(region.record.dtype).itemsize, _writer(region))
@@ -412,7 +412,7 @@ def _owners(offers: dict[int, dict[RegionId, Offer]]) -> tuple[dict[RegionId, in
             holders[ident].append(rank)
             sizes[ident], writers[ident] = nbytes, writer
     common = [ident for ident, ranks in holders.items() if len(ranks) > 1]
-    owner = {ident: writers[ident] for ident in common if writers[ident] in holders[ident]}
+    owner = {ident: writer for ident in common if (writer := writers[ident]) is not None and writer in holders[ident]}
     load: dict[int, int] = defaultdict(int)
     for ident, rank in owner.items():
         load[rank] += sizes[ident]

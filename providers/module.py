@@ -32,7 +32,7 @@ class ModuleProvider:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ModuleProvider needs an nn.Module, got {type(module).__name__}")
         self.module = module
-        self.serializer = serializer
+        self.serializer: Serializer = serializer
         self.replicated = replicated
 
     @property

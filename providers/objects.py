@@ -31,7 +31,7 @@ class ObjectProvider:
     ) -> None:
         self.get = get
         self.load = load
-        self.serializer = serializer
+        self.serializer: Serializer = serializer
         self.replicated = replicated  # the same value on every rank: many ranks write it once
         self.value: Any = None
 

@@ -40,7 +40,8 @@ def check_optimizer_state(owner: str, optimizer: torch.optim.Optimizer, state: M
     params = dict(zip(chain.from_iterable(groups), chain.from_iterable(live_groups), strict=True))
     lines = []
     for index, values in per_param.items():
-        live = optimizer.state.get(params.get(index))  # a fresh optimizer holds no state to compare with yet
+        param = params.get(index)
+        live = optimizer.state.get(param) if param is not None else None  # a fresh optimizer holds no state yet
         if live and isinstance(values, Mapping):
             lines += misfits(
                 {f"state/{index}/{name}": value for name, value in live.items()},

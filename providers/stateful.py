@@ -35,7 +35,7 @@ class StatefulProvider:
         if not isinstance(obj, Stateful):
             raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict()")
         self.obj = obj
-        self.serializer = serializer
+        self.serializer: Serializer = serializer
         self.replicated = replicated
 
     @property

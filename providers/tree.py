@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -89,5 +89,6 @@ def join_tensors(skeleton: Any, tensors: Mapping[str, torch.Tensor], owner: str 
 def _rebuild_sequence(original: list | tuple, children: list[Any]) -> list | tuple:
     """Keep tuples tuples (``betas`` in Adam) and namedtuples their type; every other sequence is a list."""
     if isinstance(original, tuple):
-        return type(original)._make(children) if hasattr(original, "_fields") else tuple(children)
+        # a namedtuple rebuilds itself with its own _make
+        return cast(Any, original)._make(children) if hasattr(original, "_fields") else tuple(children)
     return children

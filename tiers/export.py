@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from .convert import batches, write_sliced
 from .dtypes import dtype_from_name
-from .format import Manifest, ObjectRecord, ShardedRecord, TensorRecord, stored_key
+from .format import Manifest, ManifestError, ObjectRecord, ShardedRecord, TensorRecord, stored_key
 from .hdf5 import Hdf5Container
 from .multirank import rank_view
 from .pieces import read_records
@@ -81,8 +81,10 @@ def _logical_items(
             aliases[key] = target
         elif isinstance(record, ShardedRecord):
             records[key] = TensorRecord(dtype=record.dtype, shape=record.global_shape, pieces=[])
-        else:
+        elif isinstance(record, (TensorRecord, ObjectRecord)):
             records[key] = record
+        else:  # rank_view resolves per-rank records; anything else is a manifest this code does not know
+            raise ManifestError(f"item {key!r}: a {type(record).__name__} cannot be exported")
     return view, records, aliases
 
 
