@@ -39,6 +39,7 @@ from ..providers.items import ObjectItem, TensorItem
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import Manifest, ManifestBody
 from ..tiers.multirank import RankPart, merge_parts
+from ..tiers.safeopen import check_regular
 from .assign import balance
 from .plan import CheckpointPlan, plan_checkpoint
 
@@ -275,7 +276,10 @@ class DistributedCommit:
         partial = self.tier.partial_dir(step)
         for name, record in merged.files.items():
             path = partial / name
-            size = path.stat().st_size if path.is_file() else None
+            try:
+                size = check_regular(path).st_size  # the file itself: a planted symlink is refused, not followed
+            except FileNotFoundError:
+                size = None
             if size != record.size:
                 seen = "missing" if size is None else f"{size} bytes, not {record.size}"
                 raise CheckpointAborted(

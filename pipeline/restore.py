@@ -47,12 +47,24 @@ class RestoreResult:
     problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
 
 
+def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = None) -> list[str]:
+    """The ``step-N`` entries from ``oldest`` to ``newest`` (None: any) that are not checkpoints (a
+    lost manifest, a symlink), each naming its tier and why: steps a restore cannot have."""
+    return [
+        f"step {entry.step} on tier {tier.name}: not a checkpoint: {entry}"
+        for tier in tiers
+        for entry in tier.invalid()
+        if entry.named_as_checkpoint and entry.step >= oldest and (newest is None or entry.step <= newest)
+    ]
+
+
 def resolve_step(tiers: list[FilesystemTier], which: int | str) -> int:
     if which == "latest":
         steps = [s for tier in tiers for s in tier.steps()]
         if not steps:
             where = ", ".join(f"{t.name}={t.root}" for t in tiers)
-            raise NoCheckpointError(f"no committed checkpoint on any tier ({where})")
+            lost = "".join(f"; {problem}" for problem in lost_steps(tiers, 0))
+            raise NoCheckpointError(f"no committed checkpoint on any tier ({where}){lost}")
         return max(steps)
     if isinstance(which, bool) or not isinstance(which, int) or which < 0:
         raise ValueError(f"restore target must be 'latest' or a step number >= 0, got {which!r}")
@@ -87,7 +99,8 @@ def restore_into(
 
     Another tier's copy of the same step is always tried, since it holds the same verified bytes.
     An older step is tried only with ``fallback``, because it silently loses training progress
-    otherwise; every copy skipped is logged and listed in the result's ``problems``.
+    otherwise; every copy skipped is logged and listed in the result's ``problems``, and so is every
+    ``step-N`` directory passed over that is no checkpoint (it lost its manifest).
     """
     if read is None:
 
@@ -95,6 +108,7 @@ def restore_into(
             return fresh_read(read_items(directory, manifest, keys, allow_pickle=allow_pickle))
 
     wanted = resolve_step(tiers, which)
+    newest = None if which == "latest" else wanted  # lost steps newer than this were never asked for
     candidates = [wanted]
     if fallback:
         candidates += sorted({s for tier in tiers for s in tier.steps() if s < wanted}, reverse=True)
@@ -115,9 +129,14 @@ def restore_into(
                 continue
             if step != wanted:
                 log.warning("restore: step %d is unusable, fell back to step %d", wanted, step)
+            lost = lost_steps(tiers, step, newest)
+            for problem in lost:
+                log.warning("restore: passed over %s", problem)
             provider.restore(state)
             seconds = time.perf_counter() - started
+            problems = lost + problems
             return RestoreResult(step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems))
+    problems = lost_steps(tiers, min(candidates), newest) + problems
     detail = "; ".join(problems) if problems else "no tier holds it"
     older = " or any older step" if fallback else ""
     raise NoCheckpointError(f"cannot restore step {wanted}{older}: {detail}")

@@ -103,7 +103,7 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
     total = 0
     if fmt == "hdf5":
-        container = Hdf5Container(out, 4096, attrs)
+        container = Hdf5Container(out, 4096, attrs, replace=True)
         try:
             for key, record in records.items():
                 if isinstance(record, TensorRecord):

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .filesystem import FilesystemTier
-from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso, write_durably
+from .filesystem import FilesystemTier, InvalidEntry
+from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso
 from .framefile import hash_range
 from .locks import reading
+from .safeopen import UnsafeFileError, open_read, read_bytes, remove, write_durably
 
 STAMP_NAME = "verified.json"
 
@@ -56,9 +57,9 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
     problems: list[Problem] = []
     for name, record in sorted(manifest.files.items()):
         try:
-            fd = os.open(directory / name, os.O_RDONLY)
-        except FileNotFoundError:
-            problems.append(Problem(name, None, "missing"))
+            fd = open_read(directory / name)
+        except (FileNotFoundError, UnsafeFileError) as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
             advance(record.size)
             continue
         try:
@@ -74,17 +75,25 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
             os.close(fd)
     for name, digest in sorted(manifest.indexes.items()):
         try:
-            actual = checksum((directory / name).read_bytes())
-        except FileNotFoundError:
-            problems.append(Problem(name, None, "missing"))
+            actual = checksum(read_bytes(directory / name))
+        except (FileNotFoundError, UnsafeFileError) as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
             continue
         if actual != digest:
             problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
     return problems
 
 
+def _unreadable(exc: OSError) -> str:
+    """Why a file was not read: missing, or not a regular file (a planted symlink is never followed,
+    so no checksum of what it points to ever appears in a report)."""
+    if isinstance(exc, UnsafeFileError):
+        return exc.reason
+    return "missing"
+
+
 def _manifest_id(directory: Path) -> str:
-    return checksum((directory / MANIFEST_NAME).read_bytes())
+    return checksum(read_bytes(directory / MANIFEST_NAME))
 
 
 def write_stamp(directory: Path) -> None:
@@ -96,7 +105,7 @@ def write_stamp(directory: Path) -> None:
 def read_stamp(directory: Path) -> str | None:
     """When the checkpoint (this very manifest) last passed verification, or None."""
     try:
-        stamp = json.loads((directory / STAMP_NAME).read_bytes())
+        stamp = json.loads(read_bytes(directory / STAMP_NAME))
         return stamp["verified_at"] if stamp["manifest"] == _manifest_id(directory) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -127,6 +136,12 @@ class VerifyResult:
         }
 
 
+def invalid_result(tier: FilesystemTier, entry: InvalidEntry) -> VerifyResult:
+    """The failed verification of a ``step-N`` entry that is no checkpoint (a lost manifest, a symlink):
+    nothing in it is read."""
+    return VerifyResult(tier.name, entry.step, entry.path, problems=[Problem(entry.what, None, entry.reason)])
+
+
 def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = None) -> VerifyResult:
     """Verify one committed checkpoint of ``tier``, holding it against deletion meanwhile."""
     directory = tier.step_dir(step)
@@ -141,8 +156,11 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
             result.bytes = manifest.stored_bytes
             result.problems = verify_directory(directory, manifest, progress)
         if result.ok:
-            write_stamp(directory)
-        else:
-            (directory / STAMP_NAME).unlink(missing_ok=True)
+            try:
+                write_stamp(directory)
+            except UnsafeFileError as exc:  # something planted under the stamp's name: removed below
+                result.problems.append(Problem(STAMP_NAME, None, exc.reason))
+        if not result.ok:
+            remove(directory / STAMP_NAME)
     result.seconds = time.perf_counter() - started
     return result
