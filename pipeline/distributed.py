@@ -41,6 +41,7 @@ from ..tiers.multirank import RankPart, merge_parts
 from ..tiers.nodeparts import node_part
 from ..tiers.nodes import node_name
 from ..tiers.retention import delete_step
+from ..tiers.safeopen import check_regular
 from .assign import balance
 from .plan import CheckpointPlan, plan_checkpoint
 
@@ -341,7 +342,10 @@ class DistributedCommit:
         partial = self.tier.partial_dir(step)
         for name, record in merged.files.items():
             path = partial / name
-            size = path.stat().st_size if path.is_file() else None
+            try:
+                size = check_regular(path).st_size  # the file itself: a planted symlink is refused, not followed
+            except FileNotFoundError:
+                size = None
             if size != record.size:
                 seen = "missing" if size is None else f"{size} bytes, not {record.size}"
                 raise CheckpointAborted(

@@ -70,6 +70,17 @@ def tier_roots(tiers: list[FilesystemTier]) -> str:
     return ", ".join(f"{t.name}={t.root}" for t in tiers)
 
 
+def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = None) -> list[str]:
+    """The ``step-N`` entries from ``oldest`` to ``newest`` (None: any) that are not checkpoints (a
+    lost manifest, a symlink), each naming its tier and why: steps a restore cannot have."""
+    return [
+        f"step {entry.step} on tier {tier.name}: not a checkpoint: {entry}"
+        for tier in tiers
+        for entry in tier.invalid()
+        if entry.named_as_checkpoint and entry.step >= oldest and (newest is None or entry.step <= newest)
+    ]
+
+
 def fresh_read(state: dict[str, Any]) -> ReadState:
     """A state just read into buffers of its own (:func:`read_items`), as the providers receive it: every
     tensor fresh, except those sharing storage with another item (tied weights), which a keeping
@@ -97,12 +108,17 @@ def restore_into(
 
     Another tier's copy of the same step is always tried, since it holds the same verified bytes.
     An older step is tried only with ``fallback``, because it silently loses training progress
-    otherwise; every copy skipped is logged and listed in the result's ``problems``.
+    otherwise; every copy skipped is logged and listed in the result's ``problems``, and so is every
+    ``step-N`` directory passed over that is no checkpoint (it lost its manifest).
     """
     held = {s for tier in tiers for s in tier.steps()}
     if checked_target(which) == "latest" and not held:
+        lost = lost_steps(tiers, 0)
+        if lost:  # checkpoints were there and are damaged: not a fresh start
+            raise NoCheckpointError(f"no usable checkpoint on any tier ({tier_roots(tiers)}): {'; '.join(lost)}")
         raise NothingToRestoreError(f"no committed checkpoint on any tier ({tier_roots(tiers)})")
     candidates = candidate_steps(held, which, fallback)
+    newest = None if which == "latest" else candidates[0]  # lost steps newer than this were never asked for
     problems: list[str] = []
     for step in candidates:
         for tier in tiers:
@@ -120,9 +136,14 @@ def restore_into(
                 continue
             if step != candidates[0]:
                 log.warning("restore: step %d is unusable, fell back to step %d", candidates[0], step)
+            lost = lost_steps(tiers, step, newest)
+            for problem in lost:
+                log.warning("restore: passed over %s", problem)
             provider.restore(state)
             seconds = time.perf_counter() - started
+            problems = lost + problems
             return RestoreResult(step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems))
+    problems = lost_steps(tiers, min(candidates), newest) + problems
     raise NoCheckpointError(unusable(candidates[0], fallback, problems))
 
 

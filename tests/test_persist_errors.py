@@ -4,8 +4,8 @@ Whichever container ``persist.format`` picks, a chunk write that fails transient
 ``persist.retries``/``backoff`` and the checkpoint commits bit-exactly; one that keeps failing, or a
 failed fsync (never retried), fails the checkpoint with a TierError naming the tier and the file;
 the committed checkpoints stay and the next checkpoint works. The write faults are raised at the
-``persist.write`` fault point (a transient EIO cannot be had from the kernel on demand); the
-creation failure is a real ENOSPC from /dev/full.
+``persist.write`` fault point (a transient EIO cannot be had from the kernel on demand); a data file
+that cannot be created is a symlink planted under its name, refused (never written through).
 """
 
 from __future__ import annotations
@@ -114,13 +114,19 @@ def test_a_failed_fsync_is_named_and_never_retried(make_runner, fmt: str, data_f
 
 
 @pytest.mark.parametrize("fmt, data_file", FORMATS)
-def test_a_data_file_on_a_full_device_names_the_tier_and_the_file(make_runner, fmt: str, data_file: str) -> None:
+def test_a_data_file_planted_in_the_partial_is_refused_naming_the_tier_and_the_file(
+    make_runner, tmp_path: Path, fmt: str, data_file: str
+) -> None:
+    """A symlink put where the data file goes is never written through: the file is created new."""
     runner, _ = _runner(make_runner, fmt, retries=1)
     runner.checkpoint(1).result()
-    with faults.inject("begin", lambda partial: os.symlink("/dev/full", partial / data_file)):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"not tierstate's")
+    with faults.inject("begin", lambda partial: os.symlink(elsewhere, partial / data_file)):
         error = _failed(runner, 2)
-    assert error.errno == errno.ENOSPC and "tier nvme: " in str(error), error
-    assert str(runner.durable_tier.partial_dir(2) / data_file) in str(error), error
+    assert error.errno == errno.EEXIST and "tier nvme: " in str(error), error
+    assert f"{runner.durable_tier.partial_dir(2) / data_file}: already exists (a symlink)" in str(error), error
+    assert elsewhere.read_bytes() == b"not tierstate's"
     assert runner.checkpoint(3).result().step == 3
 
 

@@ -3,6 +3,7 @@ and beyond the manifest, verified or damaged, flushed, and leftovers."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +73,8 @@ def leftover_entries(tier: FilesystemTier) -> list[dict[str, Any]]:
     for path in leftovers(tier):
         state = "deleting" if path.name.endswith(DELETING_SUFFIX) else "partial"
         try:
-            size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+            with os.scandir(path) as listing:  # each entry as itself: a planted symlink is not followed
+                size = sum(e.stat(follow_symlinks=False).st_size for e in listing if e.is_file(follow_symlinks=False))
             age = round(age_of(path), 1)
         except FileNotFoundError:
             continue  # finished or removed meanwhile
@@ -80,10 +82,22 @@ def leftover_entries(tier: FilesystemTier) -> list[dict[str, Any]]:
     return entries
 
 
+def invalid_entries(tier: FilesystemTier) -> list[dict[str, Any]]:
+    """Entries named like checkpoints that are not (a lost manifest, a symlink), with the reason."""
+    entries = []
+    for e in tier.invalid():
+        step = e.step if e.named_as_checkpoint else e.path.name
+        entries.append({"tier": tier.name, "step": step, "state": "invalid", "error": str(e)})
+    return entries
+
+
 def state_text(entry: dict[str, Any]) -> str:
-    """The state column of the ls table: e.g. ``verified, flushed`` or ``partial (5 min old)``."""
+    """The state column of the ls table: e.g. ``verified, flushed``, ``partial (5 min old)`` or
+    ``invalid (manifest.json: missing ...)``."""
     if entry["state"] in ("partial", "deleting"):
         return f"{entry['state']} ({_age(entry['age_s'])} old)"
+    if entry["state"] == "invalid":
+        return f"invalid ({entry['error']})"
     return entry["state"] + (", flushed" if entry.get("flushed") else "")
 
 

@@ -22,10 +22,10 @@ from rich.table import Table
 
 from tierstate.errors import TierstateError
 
-from .catalog import copy_state, item_rows, leftover_entries, state_text, summary
+from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, state_text, summary
 from .convert import Format
 from .export import ExportFormat, export
-from .filesystem import FilesystemTier
+from .filesystem import FilesystemTier, InvalidEntry
 from .format import ManifestError, read_manifest
 from .locks import InUseError, reading
 from .migrate import MigrateError, MigrateReport, migrate
@@ -33,7 +33,7 @@ from .pacing import Pacer
 from .progress import byte_progress
 from .reader import CorruptCheckpointError
 from .retention import Decision, TierPolicies, collect_garbage, prune
-from .verify import verify_step
+from .verify import invalid_result, verify_step
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
 FAILURES = (MigrateError, CorruptCheckpointError, ManifestError, OSError)
@@ -91,7 +91,7 @@ def list_checkpoints(tiers: Sequence[FilesystemTier], as_json: bool) -> int:
             except ManifestError as exc:
                 entry = {"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)}
             entries.append(entry)
-        entries += leftover_entries(tier)
+        entries += invalid_entries(tier) + leftover_entries(tier)
     if as_json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -178,22 +178,32 @@ def migrate_steps(
 # --- verify -------------------------------------------------------------------------------------
 def verify_steps(tiers: Sequence[FilesystemTier], steps: Collection[int], as_json: bool = False) -> int:
     """Recompute every checksum of ``steps`` (all when empty) on each of ``tiers``."""
-    work = [(tier, step) for tier in tiers for step in tier.steps() if not steps or step in steps]
-    missing = sorted(set(steps) - {step for _, step in work})
+    # Each tier's committed steps, and its step-N entries that are not checkpoints (a lost manifest,
+    # a symlink): those fail, named, without anything in them being read.
+    work: list[tuple[FilesystemTier, int, InvalidEntry | None]] = []
+    for tier in tiers:
+        listed: list[tuple[int, InvalidEntry | None]] = [(step, None) for step in tier.steps()]
+        listed += [(entry.step, entry) for entry in tier.invalid() if entry.named_as_checkpoint]
+        listed.sort(key=lambda step_entry: step_entry[0])
+        work += [(tier, step, entry) for step, entry in listed if not steps or step in steps]
+    missing = sorted(set(steps) - {step for _, step, _ in work})
     if missing:
         raise UsageError(f"step {missing[0]}: no committed checkpoint on {', '.join(t.name for t in tiers)}")
     documents, lines, failed = [], [], 0
-    for tier, step in work:
-        try:
-            total = tier.manifest(step).stored_bytes
-        except ManifestError:
-            total = 0  # verify_step reports the broken manifest
-        try:
-            with byte_progress(not as_json, f"{tier.name} step {step}", total) as advance:
-                result = verify_step(tier, step, advance)
-        except FileNotFoundError as exc:  # deleted by retention between listing and locking
-            lines.append(f"{tier.name} step {step}: skipped: {exc}")
-            continue
+    for tier, step, invalid in work:
+        if invalid is not None:
+            result = invalid_result(tier, invalid)
+        else:
+            try:
+                total = tier.manifest(step).stored_bytes
+            except ManifestError:
+                total = 0  # verify_step reports the broken manifest
+            try:
+                with byte_progress(not as_json, f"{tier.name} step {step}", total) as advance:
+                    result = verify_step(tier, step, advance)
+            except FileNotFoundError as exc:  # deleted by retention between listing and locking
+                lines.append(f"{tier.name} step {step}: skipped: {exc}")
+                continue
         documents.append(result.as_dict())
         if result.ok:
             lines.append(f"{tier.name} step {step}: ok ({_size(result.bytes)}, {_rate(result.bytes, result.seconds)})")
@@ -209,7 +219,8 @@ def verify_steps(tiers: Sequence[FilesystemTier], steps: Collection[int], as_jso
 def _disk_bytes(directory: Path) -> int:
     """The space the files of ``directory`` take on disk (holes left by frame alignment excluded), as du counts."""
     try:
-        return sum(entry.stat().st_blocks * 512 for entry in os.scandir(directory) if entry.is_file())
+        entries = os.scandir(directory)  # sizes of the regular files themselves, never what a symlink names
+        return sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in entries if e.is_file(follow_symlinks=False))
     except FileNotFoundError:
         return 0
 

@@ -32,12 +32,12 @@ from .format import (
     index_bytes,
     manifest_bytes,
     parse_manifest,
-    write_durably,
 )
 from .framefile import FrameFile
 from .hdf5 import Hdf5Container
 from .names import data_file_name, data_file_rank, hdf5_file_name, index_file_name, parse_rank_file
 from .pieces import read_records
+from .safeopen import write_durably
 
 FORMATS: tuple[str, ...] = get_args(Format)
 FRAME_BYTES = 16 << 20  # the default chunk size: frames as large as the pipeline writes

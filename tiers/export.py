@@ -140,7 +140,7 @@ def _write_hdf5(
     aliases: dict[str, str],
     progress: Progress | None,
 ) -> int:
-    container = Hdf5Container(path, 4096, {"step": manifest.step, "created": manifest.created})
+    container = Hdf5Container(path, 4096, {"step": manifest.step, "created": manifest.created}, replace=True)
     total = 0
     try:
         for key, record in records.items():

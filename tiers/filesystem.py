@@ -10,6 +10,12 @@ claims the tier's writer lock, held until :meth:`FilesystemTier.release`, and a 
 at the same directory fails its checkpoints with a :class:`TierInUseError` naming the first one's
 host and pid. Each partial directory is locked by its writer from creation to commit or abort, so
 garbage collection, a migration or another runner leaves it alone.
+
+Nothing in a tier is followed or trusted for its name alone (see :mod:`tiers.safeopen`): listings
+look at each entry itself (``lstat``), so a symlink named ``step-N`` is no checkpoint, and a
+``step-N`` directory without a manifest that is a regular file is no checkpoint either. Both are
+reported by :meth:`FilesystemTier.invalid` rather than skipped in silence: no crash leaves a
+``step-N`` without its manifest, so one is a lost checkpoint, and ls, verify, restore and gc say so.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,12 +40,14 @@ from .format import (
     ManifestError,
     manifest_bytes,
     read_manifest,
-    write_durably,
 )
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
+from .safeopen import kind_of, open_read, write_durably
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"  # a step being deleted by retention (see tiers.retention)
+_NAMED_LIKE_A_STEP_RE = re.compile(rf"^step-(\d+)({re.escape(PARTIAL_SUFFIX)}|{re.escape(DELETING_SUFFIX)})?$")
 
 
 class TierError(TierstateError, OSError):
@@ -51,6 +60,45 @@ class CheckpointExistsError(TierError):
 
 class TierInUseError(TierError, InUseError):
     """Another writer holds the tier (the message names its host and pid) or the partial directory."""
+
+
+@dataclass(frozen=True)
+class InvalidEntry:
+    """An entry of a tier named like a checkpoint that is not one, nor a leftover tierstate cleans up.
+
+    Either a ``step-N`` directory whose manifest is missing or not a regular file (a commit writes
+    the manifest before it names the directory ``step-N``, so no crash leaves one: its checkpoint
+    was lost), or anything named ``step-N``, ``step-N.partial`` or ``step-N.deleting`` that is not a
+    real directory (a symlink). Listed as invalid, named by verify and restore, never followed and
+    never removed by tierstate: it is evidence of what happened, for a person to look at.
+    """
+
+    path: Path
+    step: int
+    what: str  # the name the reason is about: manifest.json, or the entry itself
+    reason: str
+
+    @property
+    def named_as_checkpoint(self) -> bool:
+        """Whether its name is a committed checkpoint's (``step-N``), not a partial's or deletion's."""
+        return self.path.name == f"step-{self.step}"
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.reason}"
+
+
+def _manifest_problem(directory: str) -> str | None:
+    """Why the step directory ``directory`` has no manifest a reader may open; None if it has one."""
+    try:
+        mode = os.lstat(os.path.join(directory, MANIFEST_NAME)).st_mode
+    except FileNotFoundError:
+        return (
+            "missing: this checkpoint lost its manifest (a commit writes it before the directory is named "
+            "step-N), so it cannot be restored or verified"
+        )
+    if not stat.S_ISREG(mode):
+        return f"is a {kind_of(mode)}, not a regular file; never followed or read"
+    return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -92,7 +140,7 @@ class FilesystemTier:
         with self._as_tier_error(partial):
             self.root.mkdir(parents=True, exist_ok=True)
             self._claim()
-        if self.step_dir(step).exists():
+        if os.path.lexists(self.step_dir(step)):
             raise CheckpointExistsError(
                 f"tier {self.name}: checkpoint step {step} already exists at {self.step_dir(step)}"
             )
@@ -142,8 +190,11 @@ class FilesystemTier:
         """Manifest last, then the atomic rename; only after this does ``step`` exist on the tier."""
         partial = self.partial_dir(step)
         for child in partial.iterdir():
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
+            fd = open_read(child)  # refuses whatever was planted in the partial: nothing is published through it
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         write_durably(partial / MANIFEST_NAME, manifest_bytes(manifest))
         fsync_dir(partial)
         faults.point("commit.manifest", partial)
@@ -168,16 +219,40 @@ class FilesystemTier:
         if lock is not None:
             lock.release()
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending: directories named step-N whose manifest is present."""
-        if not self.root.is_dir():
+    def entries(self) -> list[os.DirEntry[str]]:
+        """What the tier directory holds, each entry as itself (``lstat``, never through a symlink)."""
+        try:
+            with os.scandir(self.root) as listing:
+                return list(listing)
+        except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending: real directories named step-N whose manifest is a regular file."""
         found = []
-        for entry in os.scandir(self.root):
+        for entry in self.entries():
             match = STEP_DIR_RE.match(entry.name)
-            if match and entry.is_dir() and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+            if match and entry.is_dir(follow_symlinks=False) and _manifest_problem(entry.path) is None:
                 found.append(int(match.group(1)))
         return sorted(found)
+
+    def invalid(self) -> list[InvalidEntry]:
+        """Entries named like checkpoints that are neither checkpoints nor leftovers, by step."""
+        found = []
+        for entry in self.entries():
+            match = _NAMED_LIKE_A_STEP_RE.match(entry.name)
+            if match is None:
+                continue
+            path, step = Path(entry.path), int(match.group(1))
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    kind = kind_of(entry.stat(follow_symlinks=False).st_mode)
+                    found.append(InvalidEntry(path, step, entry.name, f"is a {kind}, not a directory; never followed"))
+                elif match.group(2) is None and (problem := _manifest_problem(entry.path)) is not None:
+                    found.append(InvalidEntry(path, step, MANIFEST_NAME, problem))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+        return sorted(found, key=lambda e: (e.step, e.path.name))
 
     def manifest(self, step: int) -> Manifest:
         manifest = read_manifest(self.step_dir(step))
@@ -186,6 +261,6 @@ class FilesystemTier:
         return manifest
 
     def partials(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.iterdir() if p.name.endswith(PARTIAL_SUFFIX) and p.is_dir())
+        """Partial directories (real ones: a symlink named so is :meth:`invalid`)."""
+        found = (e for e in self.entries() if e.name.endswith(PARTIAL_SUFFIX) and e.is_dir(follow_symlinks=False))
+        return sorted(Path(e.path) for e in found)

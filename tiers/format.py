@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
@@ -34,6 +33,7 @@ from .boxes import Box, tiling_problem
 from .codecs import Codec, ShuffleWidth
 from .dtypes import UnknownDtypeError, dtype_from_name
 from .names import data_file_name, data_file_rank, parse_rank_file
+from .safeopen import UnsafeFileError, read_bytes
 
 FORMAT_NAME = "tierstate"
 FORMAT_VERSION = 3  # the newest this reads
@@ -387,26 +387,14 @@ def _check_item(manifest: Manifest, key: str, item: AnyRecord) -> None:
 def read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        raw = read_bytes(path)
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest (not a committed checkpoint)") from None
+    except UnsafeFileError as exc:  # a symlink or FIFO planted under the manifest's name: never read
+        raise ManifestError(exc.strerror) from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest: {exc.strerror}") from None
     return parse_manifest(raw, str(path))
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Write via a temporary name, fsync, then rename: a reader sees the whole file or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[str, Any]]) -> bytes:

@@ -37,6 +37,7 @@ from . import faults
 from .container import Chunk, ItemPiece
 from .format import FileRecord, FrameRecord, checksum, piece_body
 from .hostcache import Slab
+from .safeopen import create_new, open_existing, reopen
 
 BLOCK = 8 << 20  # read granularity when hashing: large frames are hashed without allocating them whole
 DIRECT_ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size (<= 4 KiB)
@@ -72,13 +73,14 @@ def _hash_and_write_direct(fd: int, slab: Slab, length: int, offset: int) -> str
     return digest
 
 
-def _open_direct(path: Path) -> int:
-    """A second, O_DIRECT descriptor on ``path``, or -1 where the OS or file system has none (tmpfs, macOS)."""
+def _open_direct(fd: int, path: Path) -> int:
+    """A second, O_DIRECT descriptor on the file open as ``fd``, or -1 where the OS or file system has
+    none (tmpfs, macOS) or ``path`` no longer names that file."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return -1
     try:
-        return os.open(path, os.O_WRONLY | flag)
+        return reopen(fd, path, os.O_WRONLY | flag)
     except OSError:
         return -1
 
@@ -102,19 +104,20 @@ def hash_range(fd: int, offset: int, length: int) -> str | None:
 class FrameFile:
     """One data file being written as frames, from any number of threads at once.
 
-    ``create=True`` makes a new frames file; ``create=False`` opens a file another writer made
-    (the HDF5 library), to put frames into it. ``io="buffered"`` never opens the O_DIRECT
-    descriptor. Each frame's index and offset are reserved when its write starts, so the frame list
-    is in reservation order; a write that raised and is repeated (a retry) reuses its reservation.
+    ``create=True`` makes a new frames file (refused if anything has its name); ``create=False``
+    opens the regular file another writer made (the HDF5 library), to put frames into it.
+    ``io="buffered"`` never opens the O_DIRECT descriptor. Each frame's index and offset are
+    reserved when its write starts, so the frame list is in reservation order; a write that raised
+    and is repeated (a retry) reuses its reservation.
     """
 
     def __init__(self, path: Path, align: int = 4096, io: str = "auto", *, create: bool = True) -> None:
         self.path = path
         self.name = path.name
         self._align = align
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if create else os.O_RDWR
-        self._fd = os.open(path, flags, 0o644)
-        self._direct_fd = _open_direct(path) if io != "buffered" else -1
+        # Never through a symlink or into anything but a regular file (see tiers.safeopen).
+        self._fd = create_new(path) if create else open_existing(path, os.O_RDWR)
+        self._direct_fd = _open_direct(self._fd, path) if io != "buffered" else -1
         # A padded direct write must end before the next frame begins: frames start at 4 KiB boundaries.
         self._direct_ok = self._direct_fd >= 0 and align % DIRECT_ALIGN == 0
         self.direct_frames = 0
@@ -236,6 +239,10 @@ class FrameFile:
         except OSError as exc:
             exc.add_note(f"frame {index} at offset {offset}")  # where in the file: the caller names the file
             raise
+
+    def file_size(self) -> int:
+        """The size of the file as it is now (including what others wrote into it)."""
+        return os.fstat(self._fd).st_size
 
     def finish(self, size: int | None = None) -> FileRecord:
         """Set the size (default: the end of the last frame, trimming alignment padding), fsync, close."""

@@ -20,7 +20,6 @@ read back restores them.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +34,7 @@ from .container import Chunk, ItemPiece, Layout
 from .dtypes import dtype_from_name
 from .format import FileRecord, ShardRecord, piece_body
 from .framefile import FrameFile
+from .safeopen import check_absent
 
 FORMAT_ATTR = "tierstate-hdf5"
 
@@ -84,10 +84,24 @@ class Hdf5Container:
     which serializes itself.
     """
 
-    def __init__(self, path: Path, align: int, attrs: Mapping[str, Any], layout: Layout | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        align: int,
+        attrs: Mapping[str, Any],
+        layout: Layout | None = None,
+        *,
+        replace: bool = False,
+    ) -> None:
         layout = layout or Layout()
+        # Inside a tier the file must be new: mode "x" creates it with O_EXCL, so HDF5 never writes
+        # through a symlink planted under its name (see tiers.safeopen); ``replace`` (an export's
+        # file, outside the tiers) truncates an existing one.
+        if not replace:
+            check_absent(path)  # a clear error first; HDF5's own O_EXCL closes the race
         # Datasets of at least `align` bytes start at multiples of it: O_DIRECT-friendly, like frames.
-        self._h5 = h5py.File(path, "w", alignment_threshold=align, alignment_interval=align)
+        mode = "w" if replace else "x"
+        self._h5 = h5py.File(path, mode, alignment_threshold=align, alignment_interval=align)
         self.path = path
         self.name = path.name
         self._offsets: dict[str, int | None] = {}
@@ -183,7 +197,7 @@ class Hdf5Container:
         for key, target in self._aliases.items():
             self.add_alias(key, target)
         self._h5.close()
-        size = os.path.getsize(self.path)
+        size = self._frames.file_size()
         position = 0
         for frame in self._frames.frames:
             if frame.offset > position:

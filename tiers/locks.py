@@ -39,6 +39,8 @@ from pathlib import Path
 
 from tierstate.errors import TierstateError
 
+from .safeopen import open_or_create
+
 WRITER_LOCK_NAME = ".writer.lock"
 _CREATE_ATTEMPTS = 4  # a leftover removed, then a race or two with another creator
 
@@ -64,8 +66,9 @@ def _still_there(path: Path, fd: int) -> bool:
 
 @contextmanager
 def reading(directory: Path) -> Iterator[None]:
-    """Hold a shared lock on ``directory`` while reading it; FileNotFoundError if it is (being) deleted."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """Hold a shared lock on ``directory`` while reading it; FileNotFoundError if it is (being) deleted,
+    NotADirectoryError if it is a symlink: a checkpoint is read only in its own directory."""
+    fd = _open_dir(directory)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         # A deleter may have unpublished the directory between our open and our lock.
@@ -265,13 +268,13 @@ def claim_tier(root: Path) -> TierClaim:
     """Become the writer of tier directory ``root`` (or join this process's claim on it).
 
     InUseError naming the holder (host, pid) if another process writes it; OSError if the lock file
-    cannot be created or written (a read-only or missing tier) or is a symlink.
+    cannot be created or written (a read-only or missing tier) or is not a regular file (a symlink).
     """
     path = root / WRITER_LOCK_NAME
     for _ in range(_CREATE_ATTEMPTS):
         # Held read-only: an open writable file would keep the tier's file system from being remounted
-        # read-only, and flock needs no write access.
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        # read-only, and flock needs no write access. Never a symlink or FIFO planted under its name.
+        fd = open_or_create(path, os.O_RDONLY)
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
         with _claims_guard:

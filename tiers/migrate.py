@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -35,13 +34,14 @@ from . import faults
 from .container import Format
 from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
-from .format import FileRecord, FrameRecord, Manifest, checksum, manifest_bytes, write_durably
+from .format import FileRecord, FrameRecord, Manifest, checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
 from .locks import InUseError, exclusive, reading
 from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
 from .retention import delete_step
+from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
 from .verify import verify_directory, write_stamp
 
 Progress = Callable[[int], None]
@@ -133,9 +133,9 @@ class _Copy:
         self.copier = _FrameCopier()
 
     def data_file(self, source: Path, target: Path, record: FileRecord) -> None:
-        src = os.open(source, os.O_RDONLY)
+        src = open_read(source)
         try:
-            dst = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+            dst = open_or_create(target)  # what an earlier attempt wrote there is kept and checked
             try:
                 resumed = os.fstat(dst).st_size > 0
                 os.ftruncate(dst, record.size)  # bytes outside frames are holes, i.e. zeros, as in the source
@@ -172,21 +172,22 @@ class _Copy:
     def small_file(self, source: Path, target: Path, digest: str) -> None:
         """An index: whole-file checksum, copied whole unless the target already has it right."""
         try:
-            if checksum(target.read_bytes()) == digest:
+            if checksum(read_bytes(target)) == digest:
                 return
         except FileNotFoundError:
             pass
-        data = source.read_bytes()
+        data = read_bytes(source)
         if checksum(data) != digest:
             raise CorruptCheckpointError(f"{source}: checksum mismatch (expected {digest}, got {checksum(data)})")
         write_durably(target, data)
 
 
 def _remove_strays(partial: Path, keep: set[str]) -> None:
-    """Remove what an earlier attempt left that is not to be kept (another format, temporaries)."""
+    """Remove what an earlier attempt left that is not to be kept (another format, temporaries);
+    a symlink goes by its name, what it points to is never touched."""
     for entry in partial.iterdir():
         if entry.name not in keep:
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            remove(entry)
 
 
 def _copy_all(
@@ -263,7 +264,7 @@ def _publish(
     """Copy or rewrite into the partial directory, then commit; ``replacing``: the target holds the step in
     the other format, removed just before the commit (the source keeps the checkpoint meanwhile)."""
     partial = target.partial_dir(manifest.step)
-    partial.mkdir(parents=True, exist_ok=True)
+    make_dir(partial)  # a symlink planted under the partial's name is refused, never written through
     try:
         with exclusive(partial):  # one migration of a step into a tier at a time
             if fmt == container_format(manifest, str(source_dir)):

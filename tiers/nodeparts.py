@@ -32,6 +32,7 @@ from .format import (
 from .locks import InUseError, exclusive
 from .multirank import oldest_version
 from .names import parse_rank_file
+from .safeopen import read_bytes
 
 PART_MARKER_PREFIX = "node-"
 PART_MARKER_SUFFIX = ".part"
@@ -94,7 +95,7 @@ def parts_present(partial: Path, step: int) -> tuple[list[Manifest], list[str]]:
     """The node parts whose markers are in ``partial``, and the nodes whose markers are not yet."""
     parts: list[Manifest] = []
     for marker in sorted(partial.glob(f"{PART_MARKER_PREFIX}*{PART_MARKER_SUFFIX}")):
-        part = parse_manifest(marker.read_bytes(), str(marker))
+        part = parse_manifest(read_bytes(marker), str(marker))  # never through a planted symlink or FIFO
         if part.node_part is None or part.step != step or marker.name != part_marker(part.node_part.node):
             raise ManifestError(f"{marker}: not a node part of step {step}")
         parts.append(part)

@@ -26,6 +26,7 @@ from tierstate.errors import TierstateError
 
 from .codecs import CodecError, decompress
 from .format import FrameRecord, Manifest, ObjectRecord, Piece, TensorRecord
+from .safeopen import check_regular, open_read
 
 IOV_MAX = 1024
 K = TypeVar("K", bound=Hashable)
@@ -147,7 +148,7 @@ def check_file_sizes(directory: Path, manifest: Manifest) -> None:
     for name, record in manifest.files.items():
         path = directory / name
         try:
-            size = os.stat(path).st_size
+            size = check_regular(path).st_size
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file missing") from None
         if size < record.size:
@@ -177,7 +178,7 @@ def read_pieces(
     try:
         for name in {file for file, _ in by_frame}:
             try:
-                fds[name] = os.open(directory / name, os.O_RDONLY)
+                fds[name] = open_read(directory / name)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{directory / name}: data file missing") from None
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tierstate-read") as pool:

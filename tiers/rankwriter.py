@@ -27,11 +27,11 @@ from .format import (
     manifest_body,
     object_body,
     tensor_body,
-    write_durably,
 )
 from .framefile import FrameFile
 from .hdf5 import Hdf5Container
 from .names import data_file_name, hdf5_file_name, index_file_name
+from .safeopen import write_durably
 
 
 def data_file_path(directory: Path, rank: int, fmt: Format) -> Path:

@@ -19,23 +19,28 @@ Deletion is crash safe: under an exclusive lock the directory is first unpublish
 between leaves a ``.deleting`` directory, which :func:`collect_garbage` removes, as it removes
 ``.partial`` directories older than a bound (a crashed write or an abandoned migration). A live
 writer's partial is locked by its writer (see :mod:`tiers.locks`), and garbage collection keeps it.
+
+Garbage collection never removes what tierstate did not leave: a ``step-N`` directory without a
+valid manifest (no crash leaves one, so its checkpoint was lost; the directory is the evidence, and
+may hold data worth saving) or a symlink named like a checkpoint. It reports each as ``invalid,
+kept``, for a person to look at and remove by hand; none is ever followed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import faults
-from .filesystem import PARTIAL_SUFFIX, FilesystemTier, fsync_dir
+from .filesystem import DELETING_SUFFIX, PARTIAL_SUFFIX, FilesystemTier, InvalidEntry, fsync_dir
 from .locks import InUseError, exclusive
 from .policy import FlushPolicy, RetentionPolicy
-
-DELETING_SUFFIX = ".deleting"
+from .safeopen import remove
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,7 @@ def delete_step(tier: FilesystemTier, step: int) -> None:
     path = tier.step_dir(step)
     with exclusive(path):
         doomed = tier.root / f"{path.name}{DELETING_SUFFIX}"
-        if doomed.exists():  # left by an earlier crash in the middle of deleting this step
-            shutil.rmtree(doomed)
+        remove(doomed)  # left by an earlier crash in the middle of deleting this step (or planted: not followed)
         os.rename(path, doomed)
         fsync_dir(tier.root)
         faults.point("prune.delete", doomed)
@@ -125,7 +129,8 @@ def prune(tiers: Sequence[TierPolicies], dry_run: bool = False, only: Collection
 
 @dataclass(frozen=True)
 class Leftover:
-    """A ``.partial`` or ``.deleting`` directory and what garbage collection did with it."""
+    """A ``.partial`` or ``.deleting`` directory, or an invalid entry (kind ``invalid``: always kept),
+    and what garbage collection did with it."""
 
     tier: str
     path: Path
@@ -139,19 +144,23 @@ class Leftover:
 
 
 def leftovers(tier: FilesystemTier) -> list[Path]:
-    """Directories of ``tier`` that are not (or no longer) checkpoints: partial writes, half deletions."""
+    """Directories of ``tier`` that are not (or no longer) checkpoints: partial writes, half deletions.
+
+    Only real directories: a symlink under such a name is not tierstate's (see :meth:`FilesystemTier.invalid`).
+    """
     suffixes = (PARTIAL_SUFFIX, DELETING_SUFFIX)
-    try:
-        return sorted(p for p in tier.root.iterdir() if p.name.endswith(suffixes) and p.is_dir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    found = [e for e in tier.entries() if e.name.endswith(suffixes) and e.is_dir(follow_symlinks=False)]
+    return sorted(Path(e.path) for e in found)
 
 
 def age_of(path: Path, now: float | None = None) -> float:
-    """Seconds since anything in ``path`` (itself or a file in it) last changed."""
-    newest = path.stat().st_mtime
-    for entry in os.scandir(path):
-        newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    """Seconds since anything in ``path`` (itself, or a file in it if it is a real directory) last changed."""
+    itself = path.lstat()
+    newest = itself.st_mtime
+    if stat.S_ISDIR(itself.st_mode):
+        with os.scandir(path) as listing:
+            for entry in listing:
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
     return (time.time() if now is None else now) - newest
 
 
@@ -161,7 +170,8 @@ def collect_garbage(tiers: Sequence[FilesystemTier], older_than: float, dry_run:
     A leftover someone holds locked (a live runner's partial, a migration in progress) is kept,
     whatever its age. Tiers change while this runs (a trainer commits, a deletion finishes): a
     leftover that is gone by the time it is looked at is skipped, and one that cannot be removed
-    is reported with the reason; neither is raised.
+    is reported with the reason; neither is raised. Invalid entries (a ``step-N`` that lost its
+    manifest, a symlink named like a checkpoint) are reported as kept, never removed.
     """
     found: list[Leftover] = []
     for tier in tiers:
@@ -169,7 +179,19 @@ def collect_garbage(tiers: Sequence[FilesystemTier], older_than: float, dry_run:
             outcome = _collect(tier, path, older_than, dry_run)
             if outcome is not None:
                 found.append(outcome)
+        found += [_kept(tier, entry) for entry in tier.invalid()]
     return found
+
+
+def _kept(tier: FilesystemTier, entry: InvalidEntry) -> Leftover:
+    """An invalid entry, reported and left as it is: a lost checkpoint's directory is the evidence of
+    what went wrong (and may hold data worth saving by hand), a symlink is not tierstate's."""
+    try:
+        age = age_of(entry.path)
+    except OSError:
+        age = 0.0
+    reason = f"invalid, kept: {entry}; gc removes only what tierstate left (look at it, then remove it by hand)"
+    return Leftover(tier.name, entry.path, "invalid", age, False, reason)
 
 
 def _collect(tier: FilesystemTier, path: Path, older_than: float, dry_run: bool) -> Leftover | None:

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .filesystem import FilesystemTier
-from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso, write_durably
+from .filesystem import FilesystemTier, InvalidEntry
+from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso
 from .framefile import hash_range
 from .locks import reading
+from .safeopen import UnsafeFileError, open_read, read_bytes, remove, write_durably
 
 STAMP_NAME = "verified.json"
 
@@ -57,9 +58,9 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
     problems: list[Problem] = []
     for name, record in sorted(manifest.files.items()):
         try:
-            fd = os.open(directory / name, os.O_RDONLY)
-        except FileNotFoundError:
-            problems.append(Problem(name, None, "missing"))
+            fd = open_read(directory / name)
+        except (FileNotFoundError, UnsafeFileError) as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
             advance(record.size)
             continue
         try:
@@ -75,17 +76,25 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
             os.close(fd)
     for name, digest in sorted(manifest.indexes.items()):
         try:
-            actual = checksum((directory / name).read_bytes())
-        except FileNotFoundError:
-            problems.append(Problem(name, None, "missing"))
+            actual = checksum(read_bytes(directory / name))
+        except (FileNotFoundError, UnsafeFileError) as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
             continue
         if actual != digest:
             problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
     return problems
 
 
+def _unreadable(exc: OSError) -> str:
+    """Why a file was not read: missing, or not a regular file (a planted symlink is never followed,
+    so no checksum of what it points to ever appears in a report)."""
+    if isinstance(exc, UnsafeFileError):
+        return exc.reason
+    return "missing"
+
+
 def _manifest_id(directory: Path) -> str:
-    return checksum((directory / MANIFEST_NAME).read_bytes())
+    return checksum(read_bytes(directory / MANIFEST_NAME))
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,7 @@ def read_stamp(directory: Path) -> Stamp | None:
     """What the last verification of the checkpoint (this very manifest) found, or None if it was not
     verified since the manifest was written."""
     try:
-        stamp = json.loads((directory / STAMP_NAME).read_bytes())
+        stamp = json.loads(read_bytes(directory / STAMP_NAME))
         if stamp["manifest"] != _manifest_id(directory):
             return None
         if "damaged_at" in stamp:
@@ -147,6 +156,12 @@ class VerifyResult:
         }
 
 
+def invalid_result(tier: FilesystemTier, entry: InvalidEntry) -> VerifyResult:
+    """The failed verification of a ``step-N`` entry that is no checkpoint (a lost manifest, a symlink):
+    nothing in it is read."""
+    return VerifyResult(tier.name, entry.step, entry.path, problems=[Problem(entry.what, None, entry.reason)])
+
+
 def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = None) -> VerifyResult:
     """Verify one committed checkpoint of ``tier``, holding it against deletion meanwhile."""
     directory = tier.step_dir(step)
@@ -160,7 +175,12 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
         else:
             result.bytes = manifest.stored_bytes
             result.problems = verify_directory(directory, manifest, progress)
-        if (directory / MANIFEST_NAME).is_file():  # a damaged copy stays marked until a pass finds it clean
-            write_stamp(directory, result.problems)
+        manifest = directory / MANIFEST_NAME
+        if manifest.is_file() and not manifest.is_symlink():  # a damaged copy stays marked until found clean
+            try:
+                write_stamp(directory, result.problems)
+            except UnsafeFileError as exc:  # something planted under the stamp's name: removed, not followed
+                result.problems.append(Problem(STAMP_NAME, None, exc.reason))
+                remove(directory / STAMP_NAME)
     result.seconds = time.perf_counter() - started
     return result

@@ -2,8 +2,8 @@
 
 The faults are real where the kernel can give them: ENOSPC from /dev/full and from a full tmpfs,
 EIO from /proc/self/mem (a write to an unmapped address), EROFS from a read-only bind mount, ENOENT
-from a directory removed mid-checkpoint. Fault points only choose the moment (plant the symlink
-after the partial directory exists, remove the directory during a frame write); the two faults the
+from a directory removed mid-checkpoint. Fault points only choose the moment (turn the data file's
+descriptors to the device before a frame write, remove the directory during one); the two faults the
 kernel cannot be asked for on demand, a transient EIO and a failing fsync, are raised there.
 Each test checks: the error is on the handle and in the log and names the file, the previous
 checkpoint is untouched, the host cache is returned, and the next checkpoint works.
@@ -89,13 +89,31 @@ def trainer(tmp_path: Path) -> Iterator[Trainer]:
     trainer.close()
 
 
-def _plant(target: str):
-    """A begin handler that makes the data file about to be written a symlink to ``target``."""
-    return lambda partial: os.symlink(target, partial / DATA)
+def _onto(device: str):
+    """A persist.write handler that points this process's descriptors on the data file being
+    written at ``device`` (``dup2``), so the write that follows fails as that device does.
+
+    (A symlink planted under the data file's name no longer reaches a device: tierstate creates the
+    file new and never follows one, see test_hostile_files.)
+    """
+
+    def redirect(_path: Path | None) -> None:
+        target = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}").endswith(f".partial/{DATA}"):
+                        os.dup2(target, int(fd))
+                except OSError:
+                    continue  # closed meanwhile (the listing's own descriptor, another thread's)
+        finally:
+            os.close(target)
+
+    return redirect
 
 
 def test_disk_full_fails_the_checkpoint_not_training(trainer: Trainer, caplog) -> None:
-    with faults.inject("begin", _plant("/dev/full")):
+    with faults.inject("persist.write", _onto("/dev/full")):
         handle = trainer.step(2)
         handle.wait()
     error = trainer.failed(handle, errno.ENOSPC, f"{DATA} frame", caplog.text)
@@ -109,7 +127,7 @@ def test_eio_is_retried_then_reported(tmp_path: Path, caplog) -> None:
     trainer = Trainer(tmp_path, **FAST_RETRY)
     try:
         caplog.set_level(logging.WARNING, logger="tierstate")
-        with faults.inject("begin", _plant("/proc/self/mem")):  # every write there is EIO
+        with faults.inject("persist.write", _onto("/proc/self/mem")):  # every write there is EIO
             handle = trainer.step(2)
             handle.wait()
         error = trainer.failed(handle, errno.EIO, "(after 2 retries)", caplog.text)
@@ -276,7 +294,7 @@ def test_a_very_slow_tier_never_holds_training_up(tmp_path: Path) -> None:
 
 
 def test_failing_checkpoints_leak_no_memory_or_descriptors(trainer: Trainer) -> None:
-    with faults.inject("begin", _plant("/dev/full")):
+    with faults.inject("persist.write", _onto("/dev/full")):
         trainer.step(2).wait()  # warm up: the first failure allocates the logging and error paths
         fds, rss = open_fds(), rss_bytes()
         rounds = scaled(30)
@@ -299,7 +317,7 @@ def test_retention_never_deletes_the_last_good_copy(tmp_path: Path, caplog) -> N
     try:
         handles = [trainer.step(step) for step in (2, 3)]
         assert all(h.result() for h in handles)
-        with faults.inject("begin", _plant("/dev/full")):
+        with faults.inject("persist.write", _onto("/dev/full")):
             failed = trainer.step(4)
             failed.wait()
         trainer.runner.close()  # drains the flushes and the pruning after them

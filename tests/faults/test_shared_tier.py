@@ -158,7 +158,7 @@ def test_symlinks_planted_in_a_tier_are_never_followed(tmp_path: Path) -> None:
     assert isinstance(handle.error, TierError) and handle.error.errno == errno.ELOOP, handle.error
     assert WRITER_LOCK_NAME in str(handle.error)
     found = collect_garbage([nvme], older_than=0)
-    assert [(f.path.name, f.removed) for f in found] == [("step-9.partial", False)]
-    assert found[0].reason.startswith("cannot remove")  # opened without following: ENOTDIR
+    assert [(f.path.name, f.kind, f.removed) for f in found] == [("step-9.partial", "invalid", False)]
+    assert found[0].reason.startswith("invalid, kept: step-9.partial: is a symlink, not a directory; never followed")
     assert sorted(p.name for p in elsewhere.iterdir()) == ["precious"]
     assert (elsewhere / "precious").read_text() == "keep me"
