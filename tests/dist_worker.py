@@ -1,4 +1,4 @@
-"""What each rank runs under ``torchrun`` for tests/test_distributed.py (gloo, CPU).
+"""What each rank runs under ``torchrun`` for tests/pipeline/test_distributed.py (gloo, CPU).
 
 Usage: ``torchrun --standalone --nproc_per_node=N tests/dist_worker.py WORKDIR SCENARIO...``.
 Scenarios run in order in the same processes; each reads and writes only under WORKDIR and

@@ -1,4 +1,4 @@
-"""What each rank runs under ``torchrun`` for tests/test_fsdp2.py: FSDP2 (``fully_shard``) on gloo, CPU.
+"""What each rank runs under ``torchrun`` for tests/pipeline/test_fsdp2.py: FSDP2 (``fully_shard``) on gloo, CPU.
 
 Usage: ``torchrun --standalone --nproc_per_node=N tests/fsdp2_worker.py WORKDIR SCENARIO...``.
 ``train`` runs eight AdamW steps with a checkpoint after the fourth on WORKDIR/tiers/on-N; the

@@ -1,4 +1,4 @@
-"""What each rank runs for tests/test_nodes.py: one rank per simulated node, NVMe per node.
+"""What each rank runs for tests/pipeline/test_nodes.py: one rank per simulated node, NVMe per node.
 
 Usage (one launch per node, ``TIERSTATE_NODE`` naming it): ``torchrun --nnodes=2 --nproc_per_node=1
 --node_rank=I --master_addr=127.0.0.1 --master_port=P tests/nodes_worker.py WORKDIR SCENARIO...``.

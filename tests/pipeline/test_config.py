@@ -26,7 +26,7 @@ from tierstate.pipeline.config import (
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MiB = 1 << 20
 
 # Smallest complete config; optional sections are left out on purpose so defaults are exercised.

@@ -1,6 +1,6 @@
 """Optimizer state of DTensor parameters (FSDP2) in one process: a one-rank gloo group and device mesh.
 
-Many ranks, resharding and world-size changes run for real in tests/test_fsdp2.py (slow); these
+Many ranks, resharding and world-size changes run for real in tests/pipeline/test_fsdp2.py (slow); these
 check, fast, what one rank decides: which saved tensors take their parameter's layout, and that
 the optimizer gets DTensors back whether it is fresh or already holds state.
 """

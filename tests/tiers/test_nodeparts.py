@@ -1,6 +1,6 @@
 """Node parts of a multi-rank checkpoint (tiers/nodeparts.py), node names in tier paths (tiers/nodes.py).
 
-The two-node runs are in tests/test_nodes.py; these check the format rules on their own.
+The two-node runs are in tests/pipeline/test_nodes.py; these check the format rules on their own.
 """
 
 from __future__ import annotations

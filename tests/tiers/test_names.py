@@ -16,7 +16,7 @@ from tierstate.tiers.names import (
     parse_rank_file,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Modules that still spell the grammar out themselves, until they import it from tiers/names.py.
 PENDING: set[str] = set()

@@ -1,7 +1,7 @@
 """Which step a restore takes: one process over its tiers, and many ranks over what every rank holds.
 
 The many-rank choice is computed alike on every rank from what all ranks hold; these tests give it
-those holdings directly (tests/test_distributed.py runs it on real ranks and real tiers).
+those holdings directly (tests/pipeline/test_distributed.py runs it on real ranks and real tiers).
 """
 
 from __future__ import annotations
