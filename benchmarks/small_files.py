@@ -50,7 +50,9 @@ async def _lag_ticker(stop: asyncio.Event, lags: list[float]) -> None:
         lags.append(max(0.0, time.perf_counter() - due))
 
 
-async def _measure(write: Callable[[Path, bytes], Awaitable[None]], directory: Path, data: bytes, files: int):
+async def _measure(
+    write: Callable[[Path, bytes], Awaitable[None]], directory: Path, data: bytes, files: int
+) -> tuple[float, float]:
     lags: list[float] = []
     stop = asyncio.Event()
     ticker = asyncio.create_task(_lag_ticker(stop, lags))

@@ -80,12 +80,12 @@ class CompositeProvider:
 
     def restoring(self, state: Mapping[str, Any]) -> AtomicRestore:
         """The restore of ``state`` into every provider of the tree, in steps (for ranks that agree between them)."""
-        return AtomicRestore([(path, leaf, sub_state(state, path)) for path, leaf in self._leaves()])
+        return AtomicRestore([(path, leaf, sub_state(state, path)) for path, leaf in self.leaves()])
 
-    def _leaves(self, prefix: str = "") -> list[tuple[str, StateProvider]]:
+    def leaves(self, prefix: str = "") -> list[tuple[str, StateProvider]]:
         """Every provider that is not itself a composite, by its path (``a/b``)."""
         leaves = []
         for name, child in self._children.items():
             path = f"{prefix}{name}"
-            leaves += child._leaves(f"{path}/") if isinstance(child, CompositeProvider) else [(path, child)]
+            leaves += child.leaves(f"{path}/") if isinstance(child, CompositeProvider) else [(path, child)]
         return leaves

@@ -69,9 +69,7 @@ class ExportReport:
         }
 
 
-def _logical_items(
-    directory: Path, manifest: Manifest
-) -> tuple[Manifest, dict[str, TensorRecord | ObjectRecord], dict[str, str]]:
+def _logical_items(manifest: Manifest) -> tuple[Manifest, dict[str, TensorRecord | ObjectRecord], dict[str, str]]:
     """Rank 0's view of the checkpoint: the records to export (sharded ones as one whole tensor) and aliases."""
     view = rank_view(manifest, 0, list(manifest.items))
     records: dict[str, TensorRecord | ObjectRecord] = {}
@@ -123,7 +121,7 @@ def export(
     directory: Path, manifest: Manifest, out: Path, fmt: ExportFormat, progress: Progress | None = None
 ) -> ExportReport:
     """Write the checkpoint in ``directory`` to the file ``out`` (replacing it) as ``fmt``."""
-    view, records, aliases = _logical_items(directory, manifest)
+    view, records, aliases = _logical_items(manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _written_whole(out) as path:
         write = _write_hdf5 if fmt == "hdf5" else _write_safetensors
