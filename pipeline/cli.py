@@ -21,6 +21,8 @@ from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from tierstate.errors import TierstateError
+
 from ..tiers import commands
 from ..tiers.commands import UsageError
 from ..tiers.convert import FORMATS
@@ -224,9 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (UsageError, ConfigError, ManifestError) as exc:
-        for line in str(exc).splitlines():
-            print(f"tierstate: {line}", file=sys.stderr)
+        _complain(exc)
         return 2
+    except TierstateError as exc:  # a checkpoint that cannot be read or written as asked: named, no traceback
+        _complain(exc)
+        return 1
+
+
+def _complain(exc: Exception) -> None:
+    for line in str(exc).splitlines():
+        print(f"tierstate: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def prune(tiers: Sequence[TierPolicies], dry_run: bool = False, only: Collection
                     reason = "in use (being read, flushed or restored)"
                 except FileNotFoundError:
                     reason = "already gone (deleted by someone else)"
+                except OSError as exc:  # a read-only or failing tier: the others are still pruned
+                    reason = f"cannot delete: {exc.strerror or exc}"
             if reason is None:
                 holdings[name].discard(step)
             decisions.append(

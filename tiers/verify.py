@@ -4,7 +4,8 @@ Restore verifies only the frames it reads; ``verify`` reads them all (data frame
 library's own bytes, the indexes) and names each bad one by file, frame and byte range. A clean
 pass leaves a stamp (``verified.json``: when, and for which manifest) that ``tierstate ls`` shows
 as state ``verified``; a failed pass removes it. The stamp is advisory: it is not part of the
-checkpoint, is never copied, and means only "was intact when last checked".
+checkpoint, is never copied, and means only "was intact when last checked". So a stamp that cannot
+be written or removed (a read-only or full tier) is a warning beside the result, never a failure.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def frame_problem(fd: int, frame: FrameRecord) -> str | None:
     return None
 
 
+def _unreadable(exc: OSError) -> str:
+    return f"cannot read: {exc.strerror or exc}"
+
+
 def verify_directory(directory: Path, manifest: Manifest, progress: Progress | None = None) -> list[Problem]:
     """Every problem with the data files and indexes in ``directory`` against ``manifest``."""
     advance = progress or (lambda _n: None)
@@ -61,6 +66,10 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
             problems.append(Problem(name, None, "missing"))
             advance(record.size)
             continue
+        except OSError as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
+            advance(record.size)
+            continue
         try:
             size = os.fstat(fd).st_size
             if size != record.size:
@@ -70,6 +79,8 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
                 if message:
                     problems.append(Problem(name, i, message))
                 advance(frame.length)
+        except OSError as exc:  # a directory in the file's place, an I/O error: the rest of it is unread
+            problems.append(Problem(name, None, _unreadable(exc)))
         finally:
             os.close(fd)
     for name, digest in sorted(manifest.indexes.items()):
@@ -77,6 +88,9 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
             actual = checksum((directory / name).read_bytes())
         except FileNotFoundError:
             problems.append(Problem(name, None, "missing"))
+            continue
+        except OSError as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
             continue
         if actual != digest:
             problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
@@ -87,10 +101,24 @@ def _manifest_id(directory: Path) -> str:
     return checksum((directory / MANIFEST_NAME).read_bytes())
 
 
-def write_stamp(directory: Path) -> None:
-    """Record that the checkpoint in ``directory`` has just passed a full verification."""
-    stamp = {"manifest": _manifest_id(directory), "verified_at": now_iso()}
-    write_durably(directory / STAMP_NAME, json.dumps(stamp).encode())
+def write_stamp(directory: Path) -> str | None:
+    """Record that the checkpoint in ``directory`` has just passed a full verification; why it could
+    not be recorded (the directory is read-only, full or gone), or None."""
+    try:
+        stamp = {"manifest": _manifest_id(directory), "verified_at": now_iso()}
+        write_durably(directory / STAMP_NAME, json.dumps(stamp).encode())
+    except OSError as exc:
+        return f"{directory / STAMP_NAME}: not recorded: {exc.strerror or exc}"
+    return None
+
+
+def remove_stamp(directory: Path) -> str | None:
+    """Withdraw the stamp of a checkpoint that failed verification; why it could not be, or None."""
+    try:
+        (directory / STAMP_NAME).unlink(missing_ok=True)
+    except OSError as exc:
+        return f"{directory / STAMP_NAME}: not removed: {exc.strerror or exc}"
+    return None
 
 
 def read_stamp(directory: Path) -> str | None:
@@ -110,6 +138,7 @@ class VerifyResult:
     bytes: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # about the stamp only: the result stands
 
     @property
     def ok(self) -> bool:
@@ -124,6 +153,7 @@ class VerifyResult:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 4),
             "problems": [str(p) for p in self.problems],
+            "warnings": self.warnings,
         }
 
 
@@ -140,9 +170,8 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
         else:
             result.bytes = manifest.stored_bytes
             result.problems = verify_directory(directory, manifest, progress)
-        if result.ok:
-            write_stamp(directory)
-        else:
-            (directory / STAMP_NAME).unlink(missing_ok=True)
+        warning = write_stamp(directory) if result.ok else remove_stamp(directory)
+        if warning:
+            result.warnings.append(warning)
     result.seconds = time.perf_counter() - started
     return result
