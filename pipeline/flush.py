@@ -9,9 +9,12 @@ never hold up the next checkpoint's writes. After each commit and each flush, re
 (:func:`tiers.retention.prune`) applies every tier's ``retention`` policy; it never deletes a
 checkpoint still due on a flush tier, so a pending or failed flush keeps its NVMe copy.
 
-A failed flush, like a failed checkpoint, never reaches the training loop: it is logged, recorded
-on the handle (``flush_errors``, and its tier's future) and in ``failures``; ``drain`` (called by
-``runner.close()``) waits for every flush and reports them all.
+A copy that fails with a transient error (EIO, ENOSPC, a timeout) is tried again, ``flush.retries``
+times, after ``flush.backoff`` seconds and twice as long each next time; being resumable, a retry
+copies only what is missing. A flush that still fails, like a failed checkpoint, never reaches the
+training loop: it is logged, recorded on the handle (``flush_errors``, and its tier's future) and
+in ``failures``, each saying that its source copy stays pinned (retention keeps it until the
+tier receives it); ``drain`` (called by ``runner.close()``) waits for every flush and reports them all.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.migrate import migrate
+from ..tiers.migrate import MigrateReport, migrate
 from ..tiers.pacing import Pacer
 from ..tiers.policy import FlushPolicy
 from ..tiers.retention import TierPolicies, prune
 from .config import PipelineConfig
 from .handle import HandleCompleter
+from .retry import RetryPolicy, transient
 from .units import run_blocking
 
 log = logging.getLogger("tierstate")
@@ -38,12 +42,23 @@ log = logging.getLogger("tierstate")
 
 @dataclass(frozen=True)
 class FlushFailure:
+    """A flush that failed for good, and the source copy it leaves pinned."""
+
     step: int
     tier: str
     error: BaseException
+    attempts: int = 1
+    source: str = ""
 
     def __str__(self) -> str:
-        return f"flush of step {self.step} to tier {self.tier} failed: {type(self.error).__name__}: {self.error}"
+        tries = f" after {self.attempts} attempts" if self.attempts > 1 else ""
+        text = f"flush of step {self.step} to tier {self.tier} failed{tries}: {type(self.error).__name__}: {self.error}"
+        if self.source:
+            text += (
+                f"; its copy on {self.source} stays pinned (retention keeps it) until {self.tier} receives it"
+                f" (tierstate migrate {self.step} --from {self.source} --to {self.tier})"
+            )
+        return text
 
 
 @dataclass
@@ -111,23 +126,42 @@ class Flusher:
 
     async def _flush(self, completer: HandleCompleter, target: _Target) -> None:
         step, name = completer.step, target.tier.name
+        retry = RetryPolicy(target.policy.retries, target.policy.backoff)
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                report = await self._copy(step, target)
+                break
+            except Exception as exc:  # reported, never raised into training
+                if transient(exc) and attempts <= retry.retries:
+                    delay = retry.delay(attempts - 1)
+                    log.warning(
+                        "flush of step %d to tier %s failed (%s: %s); retry %d of %d in %.2f s",
+                        *(step, name, type(exc).__name__, exc, attempts, retry.retries, delay),
+                    )
+                    await asyncio.sleep(delay)
+                    continue
+                failure = FlushFailure(step, name, exc, attempts, self._source.name)
+                log.error("%s", failure)
+                completer.flush_failed(name, exc)
+                self.failures.append(failure)
+                return
+        log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
+        completer.persisted(name, report.path)
+        if self._prunes:
+            await self._prune()
+
+    async def _copy(self, step: int, target: _Target) -> MigrateReport:
+        """One attempt at copying ``step`` to ``target``, as one of its ``workers``."""
         async with target.gate:
             target.active += 1
             target.peak = max(target.peak, target.active)
             try:
                 copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
-                report = await run_blocking(self._pool, copy, step, self._source, target.tier)
-            except Exception as exc:  # reported, never raised into training
-                log.error("flush of step %d to tier %s failed: %s: %s", step, name, type(exc).__name__, exc)
-                completer.flush_failed(name, exc)
-                self.failures.append(FlushFailure(step, name, exc))
-                return
+                return await run_blocking(self._pool, copy, step, self._source, target.tier)
             finally:
                 target.active -= 1
-        log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
-        completer.persisted(name, report.path)
-        if self._prunes:
-            await self._prune()
 
     async def _prune(self) -> None:
         async with self._prune_lock:  # one pass at a time: each sees the deletions of the one before
