@@ -32,11 +32,12 @@ from tierstate.tiers.codecs import CodecError
 from tierstate.tiers.commands import UsageError
 from tierstate.tiers.dtypes import UnknownDtypeError
 from tierstate.tiers.filesystem import CheckpointExistsError, TierError, TierInUseError
-from tierstate.tiers.format import ManifestError, read_manifest
+from tierstate.tiers.format import ManifestError, MissingItemError, read_manifest
 from tierstate.tiers.hdf5 import Hdf5LayoutError
 from tierstate.tiers.locks import InUseError
 from tierstate.tiers.migrate import MigrateError
 from tierstate.tiers.objcodec import ObjectCodecError
+from tierstate.tiers.pieces import ReadTooLargeError
 from tierstate.tiers.reader import CorruptCheckpointError, load
 
 try:
@@ -60,6 +61,7 @@ __all__ = [
     "InUseError",
     "ManifestError",
     "MigrateError",
+    "MissingItemError",
     "ModuleProvider",
     "NoCheckpointError",
     "ObjectCodecError",
@@ -68,6 +70,7 @@ __all__ = [
     "OptimizerProvider",
     "PipelineConfig",
     "RNGProvider",
+    "ReadTooLargeError",
     "RestoreError",
     "RestoreResult",
     "Runner",
