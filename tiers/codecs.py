@@ -14,7 +14,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import IO, Protocol, cast
 
 import torch
 import zstandard
@@ -146,7 +146,9 @@ def zstd_blocks(stored: bytes | memoryview | Readable, raw_length: int, stop: in
     stop = raw_length if stop is None else stop
     done = 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(stored) as reader:
+        # A stream needs only read(): zstandard takes any object that has one.
+        source = stored if isinstance(stored, bytes | memoryview) else cast("IO[bytes]", stored)
+        with zstandard.ZstdDecompressor().stream_reader(source) as reader:
             while done < stop:
                 block = reader.read(min(DECODE_BLOCK, stop - done))
                 if not block:
