@@ -100,5 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tierstate {args.command}: interrupted", file=sys.stderr)
         return 130
 
+
 if __name__ == "__main__":
     sys.exit(main())

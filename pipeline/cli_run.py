@@ -24,6 +24,8 @@ from typing import TypeVar, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from tierstate.errors import TierstateError
+
 from ..tiers import commands
 from ..tiers.commands import UsageError
 from ..tiers.convert import Format
@@ -241,6 +243,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
     except _BAD_INPUT as exc:
-        for line in str(exc).splitlines():
-            print(f"tierstate: {line}", file=sys.stderr)
+        _complain(exc)
         return 2
+    except TierstateError as exc:  # a checkpoint that cannot be read or written as asked: named, no traceback
+        _complain(exc)
+        return 1
+
+
+def _complain(exc: Exception) -> None:
+    for line in str(exc).splitlines():
+        print(f"tierstate: {line}", file=sys.stderr)

@@ -13,9 +13,12 @@ With many ranks and a node-scoped persist tier (each node its own NVMe), every n
 its node's part; the global checkpoint appears on the shared tier once the last part is there
 (:mod:`tiers.nodeparts`), and every rank waits for that before its handle says ``persisted``.
 
-A failed flush, like a failed checkpoint, never reaches the training loop: it is logged, recorded
-on the handle (``flush_errors``, and its tier's future) and in ``failures``; ``drain`` (called by
-``runner.close()``) waits for every flush and reports them all.
+A copy that fails with a transient error (EIO, ENOSPC, a timeout) is tried again, ``flush.retries``
+times, after ``flush.backoff`` seconds and twice as long each next time; being resumable, a retry
+copies only what is missing. A flush that still fails, like a failed checkpoint, never reaches the
+training loop: it is logged, recorded on the handle (``flush_errors``, and its tier's future) and
+in ``failures``, each saying that its source copy stays pinned (retention keeps it until the
+tier receives it); ``drain`` (called by ``runner.close()``) waits for every flush and reports them all.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..tiers.policy import FlushPolicy
 from ..tiers.retention import TierPolicies, prune
 from .config import PipelineConfig
 from .handle import HandleCompleter
+from .retry import RetryPolicy, transient
 from .units import run_blocking
 
 if TYPE_CHECKING:
@@ -74,12 +78,23 @@ class FlushRole:
 
 @dataclass(frozen=True)
 class FlushFailure:
+    """A flush that failed for good, and the source copy it leaves pinned."""
+
     step: int
     tier: str
     error: BaseException
+    attempts: int = 1
+    source: str = ""
 
     def __str__(self) -> str:
-        return f"flush of step {self.step} to tier {self.tier} failed: {type(self.error).__name__}: {self.error}"
+        tries = f" after {self.attempts} attempts" if self.attempts > 1 else ""
+        text = f"flush of step {self.step} to tier {self.tier} failed{tries}: {type(self.error).__name__}: {self.error}"
+        if self.source:
+            text += (
+                f"; its copy on {self.source} stays pinned (retention keeps it) until {self.tier} receives it"
+                f" (tierstate migrate {self.step} --from {self.source} --to {self.tier})"
+            )
+        return text
 
 
 @dataclass
@@ -151,35 +166,53 @@ class Flusher:
 
     async def _flush(self, completer: HandleCompleter, target: _Target) -> None:
         step, name = completer.step, target.tier.name
-        async with target.gate:
-            target.active += 1
-            target.peak = max(target.peak, target.active)
-            try:
-                report = None
-                if self._role.copies:
-                    copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
-                    report = await run_blocking(self._pool, copy, step, self._source, target.tier)
-            except Exception as exc:  # reported, never raised into training
-                self._failed(completer, name, exc)
-                return
-            finally:
-                target.active -= 1
-        if report is not None:
+        report = None
+        attempts = 0
+        if self._role.copies:
+            retry = RetryPolicy(target.policy.retries, target.policy.backoff)
+            while True:
+                attempts += 1
+                try:
+                    report = await self._copy(step, target)
+                    break
+                except Exception as exc:  # reported, never raised into training
+                    if transient(exc) and attempts <= retry.retries:
+                        delay = retry.delay(attempts - 1)
+                        log.warning(
+                            "flush of step %d to tier %s failed (%s: %s); retry %d of %d in %.2f s",
+                            *(step, name, type(exc).__name__, exc, attempts, retry.retries, delay),
+                        )
+                        await asyncio.sleep(delay)
+                        continue
+                    self._failed(completer, name, exc, attempts)
+                    return
             log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
         if self._role.wait_s and (report is None or report.waiting_for):
             try:
                 await self._published(step, target.tier, report)
-            except Exception as exc:
-                self._failed(completer, name, exc)
+            except Exception as exc:  # reported, never raised into training
+                self._failed(completer, name, exc, max(attempts, 1))
                 return
         completer.persisted(name, target.tier.step_dir(step))
         if self._prunes:
             await self._prune()
 
-    def _failed(self, completer: HandleCompleter, name: str, exc: BaseException) -> None:
-        log.error("flush of step %d to tier %s failed: %s: %s", completer.step, name, type(exc).__name__, exc)
+    async def _copy(self, step: int, target: _Target) -> MigrateReport:
+        """One attempt at copying ``step`` to ``target``, as one of its ``workers``."""
+        async with target.gate:
+            target.active += 1
+            target.peak = max(target.peak, target.active)
+            try:
+                copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
+                return await run_blocking(self._pool, copy, step, self._source, target.tier)
+            finally:
+                target.active -= 1
+
+    def _failed(self, completer: HandleCompleter, name: str, exc: BaseException, attempts: int) -> None:
+        failure = FlushFailure(completer.step, name, exc, attempts, self._source.name)
+        log.error("%s", failure)
         completer.flush_failed(name, exc)
-        self.failures.append(FlushFailure(completer.step, name, exc))
+        self.failures.append(failure)
 
     async def _published(self, step: int, tier: FilesystemTier, report: MigrateReport | None) -> None:
         """Wait until the other nodes' parts complete ``step`` on ``tier`` (see :class:`FlushRole`)."""

@@ -21,9 +21,8 @@ from tierstate.errors import TierstateError
 from ..providers.base import ReadState
 from ..providers.composite import CompositeProvider
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import ManifestError
 from ..tiers.locks import reading
-from ..tiers.reader import CorruptCheckpointError, read_items
+from ..tiers.reader import COPY_ERRORS, read_items
 
 log = logging.getLogger("tierstate")
 
@@ -130,7 +129,7 @@ def restore_into(
                     manifest = tier.manifest(step)
                     keys = [k for k in manifest.items if k.split("/", 1)[0] in provider.children]
                     state = fresh_read(read_items(tier.step_dir(step), manifest, keys, allow_pickle=allow_pickle))
-            except (ManifestError, CorruptCheckpointError, OSError) as exc:
+            except COPY_ERRORS as exc:
                 log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
                 problems.append(f"step {step} on tier {tier.name}: {exc}")
                 continue

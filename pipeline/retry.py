@@ -36,6 +36,11 @@ TRANSIENT_ERRNOS = frozenset(
 )
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a storage error a retry can outlive (see TRANSIENT_ERRNOS)."""
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """``retries`` more attempts after the first, waiting ``backoff`` seconds before the first, doubling."""
@@ -64,7 +69,7 @@ async def storage_call(
             raise  # already says which tier and path
         except OSError as exc:
             where = " ".join([what, *getattr(exc, "__notes__", ())])  # a writer's note: where in the file
-            if retry is None or exc.errno not in TRANSIENT_ERRNOS or retries >= retry.retries:
+            if retry is None or not transient(exc) or retries >= retry.retries:
                 after = f" (after {retries} {'retry' if retries == 1 else 'retries'})" if retries else ""
                 message = f"{where}: {exc.strerror or exc}{after}"
                 raise (TierError(exc.errno, message) if exc.errno else TierError(message)) from exc

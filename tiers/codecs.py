@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Literal, cast
+from typing import IO, Literal, Protocol, cast
 
 import torch
 import zstandard
@@ -129,17 +130,55 @@ def compress_into(
     return sink.length, width
 
 
+DECODE_BLOCK = 1 << 20  # zstd output is handed on in blocks of this size: memory per decoder, whatever the frame
+
+
+class Readable(Protocol):
+    """Stored bytes read as a stream (a file, or a frame read from one), for frames not held whole."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def zstd_blocks(stored: bytes | memoryview | Readable, raw_length: int, stop: int | None = None) -> Iterator[bytes]:
+    """The first ``stop`` (default: all ``raw_length``) decoded bytes of a zstd frame, in blocks.
+
+    Streaming, so memory is one block plus zstd's window however far the frame expands: a frame
+    within zstd's ratio can still claim gigabytes, and only the bytes a reader wants are kept (by
+    it). The frame must decode to its ``raw_length``: a CodecError when it ends short of ``stop``,
+    or, decoded to the end, goes beyond it.
+    """
+    stop = raw_length if stop is None else stop
+    done = 0
+    try:
+        # A stream needs only read(): zstandard takes any object that has one.
+        source = stored if isinstance(stored, bytes | memoryview) else cast("IO[bytes]", stored)
+        with zstandard.ZstdDecompressor().stream_reader(source) as reader:
+            while done < stop:
+                block = reader.read(min(DECODE_BLOCK, stop - done))
+                if not block:
+                    break
+                done += len(block)
+                yield block
+            if done == raw_length and reader.read(1):
+                raise CodecError(f"zstd frame decodes to more than the {raw_length} bytes the manifest says")
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd frame does not decode: {exc}") from None
+    if done < stop:
+        raise CodecError(f"zstd frame decodes to {done} bytes, manifest says {raw_length}")
+
+
 def decompress(stored: bytes | memoryview, codec: str, raw_length: int, width: int = 1) -> bytes | memoryview:
+    """A whole frame decoded into one buffer of ``raw_length`` bytes (readers stream instead, see
+    :func:`zstd_blocks`)."""
     if codec == "none":
         return stored
     if codec != "zstd":
         raise CodecError(f"unknown codec {codec!r}")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_length)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"zstd frame does not decode: {exc}") from None
-    if len(raw) != raw_length:
-        raise CodecError(f"zstd frame decodes to {len(raw)} bytes, manifest says {raw_length}")
     if width not in SHUFFLE_WIDTHS or raw_length % width:
         raise CodecError(f"invalid shuffle width {width} for {raw_length} bytes")
-    return unshuffle(raw, width)
+    raw = bytearray(raw_length)
+    position = 0
+    for block in zstd_blocks(stored, raw_length):
+        raw[position : position + len(block)] = block
+        position += len(block)
+    return unshuffle(memoryview(raw), width)

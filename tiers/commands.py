@@ -28,15 +28,14 @@ from .export import ExportFormat, export
 from .filesystem import FilesystemTier, InvalidEntry
 from .format import ManifestError, read_manifest
 from .locks import InUseError, reading
-from .migrate import MigrateError, MigrateReport, migrate
+from .migrate import MigrateReport, migrate
 from .pacing import Pacer
 from .progress import byte_progress
-from .reader import CorruptCheckpointError
 from .retention import Decision, TierPolicies, collect_garbage, prune
 from .verify import invalid_result, verify_step
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
-FAILURES = (MigrateError, CorruptCheckpointError, ManifestError, OSError)
+FAILURES = (TierstateError, OSError)
 
 
 class UsageError(TierstateError):
@@ -211,6 +210,7 @@ def verify_steps(tiers: Sequence[FilesystemTier], steps: Collection[int], as_jso
             failed += 1
             lines.append(f"{tier.name} step {step}: FAILED")
             lines += [f"  {problem}" for problem in result.problems]
+        lines += [f"  warning: {warning}" for warning in result.warnings]
     _emit(as_json, documents, lines or ["no committed checkpoints"])
     return 1 if failed else 0
 

@@ -50,6 +50,13 @@ class ManifestError(TierstateError, ValueError):
     """A manifest or index that is missing, corrupt, inconsistent or from a newer format."""
 
 
+class MissingItemError(TierstateError, KeyError):
+    """An item asked for that the checkpoint does not hold (for this rank); the message names it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # KeyError's own would print the message quoted
+
+
 def checksum(data: bytes | memoryview) -> str:
     """Checksum of one stored frame: xxh3-64, hex. Fast enough to run on every byte we write."""
     return xxhash.xxh3_64_hexdigest(data)

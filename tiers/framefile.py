@@ -85,20 +85,70 @@ def _open_direct(fd: int, path: Path) -> int:
         return -1
 
 
+def _next_data(fd: int, offset: int, end: int) -> int:
+    """Where the file's data resumes at or after ``offset`` (``end`` at most): beyond ``offset`` only
+    across a hole of a sparse file. Without SEEK_DATA support everything counts as data."""
+    try:
+        return min(os.lseek(fd, offset, os.SEEK_DATA), end)
+    except OSError as exc:
+        return end if exc.errno == errno.ENXIO else offset  # ENXIO: only a hole up to the end of the file
+
+
+def _next_hole(fd: int, offset: int, end: int) -> int:
+    try:
+        return min(os.lseek(fd, offset, os.SEEK_HOLE), end)
+    except OSError:
+        return end
+
+
+def has_holes(fd: int, offset: int, length: int) -> bool:
+    """Whether ``length`` bytes at ``offset`` include a hole: bytes a sparse file claims without holding.
+
+    Frames are written, never seeked over, so their bytes are normally all data; a hole inside one
+    means the size was claimed for nothing (or a file system stored zeros as holes), and a reader
+    checks such a frame before allocating anything on its word.
+    """
+    end = offset + length
+    return length > 0 and (_next_data(fd, offset, end) > offset or _next_hole(fd, offset, end) < end)
+
+
+_ZEROS = memoryview(bytes(BLOCK))  # what a hole reads as (calloc'd: costs no memory until hashed from)
+
+
+def feed_range(fd: int, offset: int, length: int, hasher: xxhash.xxh3_64) -> bool:
+    """Feed ``length`` bytes at ``offset`` to ``hasher``, read in blocks; False when the file is shorter.
+
+    A hole of a sparse file is fed as the zeros it reads as, without reading it: a forged size of
+    many gigabytes over a small sparse file costs hashing, never I/O or memory.
+    """
+    end = offset + length
+    if end > os.fstat(fd).st_size:
+        return False
+    buffer: memoryview | None = None
+    while offset < end:
+        data = _next_data(fd, offset, end)
+        while offset < data:
+            step = min(BLOCK, data - offset)
+            hasher.update(_ZEROS[:step])
+            offset += step
+        hole = _next_hole(fd, offset, end)
+        if hole <= offset:  # the file changed between the two seeks: read on
+            hole = end
+        while offset < hole:
+            if buffer is None:
+                buffer = memoryview(bytearray(min(BLOCK, length)))
+            got = os.preadv(fd, [buffer[: min(BLOCK, hole - offset)]], offset)
+            if got == 0:
+                return False
+            hasher.update(buffer[:got])
+            offset += got
+    return True
+
+
 def hash_range(fd: int, offset: int, length: int) -> str | None:
-    """Checksum of ``length`` bytes at ``offset``, read in blocks; None when the file is shorter."""
+    """Checksum of ``length`` bytes at ``offset`` (holes hashed, not read); None when the file is shorter."""
     hasher = xxhash.xxh3_64()
-    buffer = bytearray(min(length, BLOCK))
-    view = memoryview(buffer)
-    remaining = length
-    while remaining:
-        got = os.preadv(fd, [view[: min(remaining, BLOCK)]], offset)
-        if got == 0:
-            return None
-        hasher.update(view[:got])
-        offset += got
-        remaining -= got
-    return hasher.hexdigest()
+    return hasher.hexdigest() if feed_range(fd, offset, length, hasher) else None
 
 
 class FrameFile:

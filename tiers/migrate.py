@@ -40,7 +40,7 @@ from .locks import InUseError, exclusive, reading
 from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
-from .retention import delete_step
+from .retention import delete_step, record_receipt
 from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
 from .verify import verify_directory, write_stamp
 
@@ -277,7 +277,20 @@ def _publish(
             report.path = target.commit(manifest.step, published)
     except InUseError:
         raise MigrateError(f"step {manifest.step} is being migrated to {target.name} by another process") from None
-    write_stamp(report.path)
+    write_stamp(report.path)  # advisory: a tier's retention may already have pruned the copy it names
+
+
+def _note_receipt(source: FilesystemTier, step: int, target: FilesystemTier) -> None:
+    """Tell retention that ``target`` received the source's copy (see :func:`tiers.retention.record_receipt`).
+
+    Without the note the source copy stays pinned once the target lets go of its own (while the
+    target's flush policy selects the step): the safe side, so a source that cannot take the note
+    (read-only, full) does not fail a copy that is published and verified.
+    """
+    try:
+        record_receipt(source, step, target.name)
+    except OSError:
+        pass
 
 
 def _publish_part(
@@ -363,5 +376,7 @@ def migrate(
     if move:
         delete_step(source, step)
         report.moved = True
+    else:
+        _note_receipt(source, step, target)
     report.seconds = time.perf_counter() - started
     return report

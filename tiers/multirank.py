@@ -25,6 +25,7 @@ from .format import (
     AnyRecord,
     Manifest,
     ManifestError,
+    MissingItemError,
     ObjectRecord,
     PerRankRecord,
     ShardedRecord,
@@ -128,14 +129,14 @@ def rank_record(manifest: Manifest, key: str, rank: int) -> AnyRecord:
         return record
     if rank not in record.ranks:
         holders = sorted(record.ranks)
-        raise KeyError(f"item {key!r} was saved per rank by rank(s) {holders}; rank {rank} has no value of it")
+        raise MissingItemError(f"item {key!r} was saved per rank by rank(s) {holders}; rank {rank} has no value of it")
     return record.ranks[rank]
 
 
 def rank_view(manifest: Manifest, rank: int, keys: Iterable[str]) -> Manifest:
     """The manifest as ``rank`` reads it: ``keys`` (and what their aliases name) without per-rank records.
 
-    KeyError names a wanted per-rank item this rank has no value of (e.g. loading 2 ranks' RNG on 3).
+    MissingItemError names a wanted per-rank item this rank has no value of (e.g. loading 2 ranks' RNG on 3).
     """
     items: dict[str, AnyRecord] = {}
     pending = list(keys)

@@ -6,26 +6,42 @@ and its checksum recomputed from the bytes actually read before any of its piece
 Uncompressed frames are read straight into the destination buffers with one scatter read
 (``preadv``) and hashed in place, so reading costs one pass over the bytes.
 
+Sizes in a manifest are claims, and a forged one (its checksum recomputed) must cost the reader
+no more memory than the bytes really there. So, before anything is allocated for a frame: the file
+must be as long as the frame's end; a frame with holes (a sparse file claims any size for free)
+is verified first, its holes hashed as the zeros they read as; destination buffers are allocated
+only when their first piece is about to be filled; the bytes of a frame between wanted pieces go
+through one bounded block; and a compressed frame is decoded as a stream into the wanted pieces,
+stopping once they are filled, so a frame within zstd's ratio that claims gigabytes keeps none of
+them. An allocation that fails is a :class:`ReadTooLargeError` naming what it was for.
+
 Everything above (cutting shards, :mod:`tiers.reshard`; decoding items, :mod:`tiers.reader`;
 format conversion) reads through :func:`read_pieces` into a :class:`ByteBuffers`.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import numpy as np
 import torch
 import xxhash
 
 from tierstate.errors import TierstateError
 
-from .codecs import CodecError, decompress
+from .codecs import DECODE_BLOCK, CodecError, zstd_blocks
+from .filesystem import TierError
 from .format import FrameRecord, Manifest, ObjectRecord, Piece, TensorRecord
+from .framefile import feed_range, has_holes
 from .safeopen import check_regular, open_read
 
 IOV_MAX = 1024
@@ -34,6 +50,19 @@ K = TypeVar("K", bound=Hashable)
 
 class CorruptCheckpointError(TierstateError, ValueError):
     """Bytes on disk do not match their checksum or cannot be decoded; names file and frame."""
+
+
+class ReadTooLargeError(TierstateError, MemoryError):
+    """The memory a checkpoint says an item needs cannot be allocated; names the item and the size."""
+
+
+def allocate(shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``torch.empty(shape, dtype)``, or a ReadTooLargeError naming ``what`` it was for."""
+    try:
+        return torch.empty(tuple(shape), dtype=dtype)
+    except (RuntimeError, MemoryError):
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise ReadTooLargeError(f"{what}: cannot allocate the {nbytes} bytes the checkpoint says it holds") from None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -52,20 +81,37 @@ class ByteBuffers:
 
     The destination every reader fills: a whole item has base 0 and its full length; a window of
     an item (the bytes covering the box of a shard that a rank wants) starts at its first piece.
-    Pieces of one frame may be filled by different threads; each has bytes of its own.
+    A buffer is allocated when its first piece is about to be filled (its frame's bytes found on
+    disk), not when it is declared, so a manifest's claims alone allocate nothing. Pieces of one
+    frame may be filled by different threads; each has bytes of its own.
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[Hashable, torch.Tensor] = {}
         self.bases: dict[Hashable, int] = {}
+        self._sizes: dict[Hashable, tuple[int, str]] = {}
+        self._tensors: dict[Hashable, torch.Tensor] = {}
+        self._lock = threading.Lock()
 
-    def add(self, key: Hashable, nbytes: int, base: int = 0) -> None:
-        self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+    def add(self, key: Hashable, nbytes: int, base: int = 0, name: str | None = None) -> None:
+        """Declare ``key``'s buffer; ``name`` says what it holds in errors (default: the key)."""
+        self._sizes[key] = (nbytes, f"item {key!r}" if name is None else name)
         self.bases[key] = base
+
+    def tensor(self, key: Hashable) -> torch.Tensor:
+        with self._lock:
+            if key not in self._tensors:
+                nbytes, name = self._sizes[key]
+                self._tensors[key] = allocate((nbytes,), torch.uint8, name)
+            return self._tensors[key]
+
+    @property
+    def buffers(self) -> dict[Hashable, torch.Tensor]:
+        """Every declared buffer (those no piece was read into, empty ones, allocated now)."""
+        return {key: self.tensor(key) for key in self._sizes}
 
     def view(self, key: Hashable, piece: Piece) -> memoryview:
         start = piece.item_offset - self.bases[key]
-        return tensor_bytes(self.buffers[key])[start : start + piece.length]
+        return tensor_bytes(self.tensor(key))[start : start + piece.length]
 
 
 def _read_exact(fd: int, offset: int, length: int, where: str) -> bytes:
@@ -94,21 +140,132 @@ def _scatter_read(fd: int, offset: int, views: list[memoryview], where: str) -> 
                 got = 0
 
 
-def _frame_views(ordered: list[tuple[Hashable, Piece]], length: int, dest: PieceDestination) -> list[memoryview] | None:
-    """Destination views covering the whole frame in order (padding read into scratch), or None."""
-    views, position = [], 0
-    for key, piece in ordered:
+def _check(actual: str | None, frame: FrameRecord, where: str) -> None:
+    if actual is None:
+        raise CorruptCheckpointError(f"{where}: truncated")
+    if actual != frame.checksum:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch (expected {frame.checksum}, got {actual})")
+
+
+def _disjoint(ordered: list[tuple[Hashable, Piece]], length: int) -> bool:
+    """Whether the pieces (by offset) lie inside the frame without overlapping one another."""
+    position = 0
+    for _, piece in ordered:
         if piece.offset < position:
-            return None
-        if piece.offset > position:
-            views.append(memoryview(bytearray(piece.offset - position)))
-        views.append(dest.view(key, piece))
+            return False
         position = piece.offset + piece.length
-    if position > length:
+    return position <= length
+
+
+def _read_in_place(
+    fd: int, frame: FrameRecord, ordered: list[tuple[Hashable, Piece]], dest: PieceDestination, where: str
+) -> str | None:
+    """An uncompressed frame read straight into its disjoint pieces' views, the bytes between them
+    through a bounded block; the checksum of all of it, in order (None if the file is shorter)."""
+    hasher = xxhash.xxh3_64()
+    position = 0
+    run: list[memoryview] = []
+    run_start = 0
+
+    def read_run() -> None:
+        _scatter_read(fd, frame.offset + run_start, run, where)
+        for view in run:
+            hasher.update(view)
+        run.clear()
+
+    for key, piece in ordered:
+        if piece.offset > position:  # bytes nobody wants: hashed, not kept
+            read_run()
+            if not feed_range(fd, frame.offset + position, piece.offset - position, hasher):
+                return None
+        if not run:
+            run_start = piece.offset
+        run.append(dest.view(key, piece))
+        position = piece.offset + piece.length
+    read_run()
+    if position < frame.length and not feed_range(fd, frame.offset + position, frame.length - position, hasher):
         return None
-    if position < length:
-        views.append(memoryview(bytearray(length - position)))
-    return views
+    return hasher.hexdigest()
+
+
+class _FrameScatter:
+    """Puts a frame's decoded bytes, as they stream in, into the pieces wanted of it; keeps nothing else.
+
+    With a byte shuffle of width ``w`` the stream is plane-major (every element's first byte, then
+    every second byte, ...): plane ``j`` fills every ``w``-th byte of the frame from byte ``j``.
+    """
+
+    def __init__(self, ordered: list[tuple[Hashable, Piece]], dest: PieceDestination, frame: FrameRecord) -> None:
+        wanted = [(p.offset, p.offset + p.length, key, p) for key, p in ordered if p.length]
+        self._starts = [start for start, *_ in wanted]
+        self._reach = list(accumulate((end for _, end, *_ in wanted), max))  # furthest end so far: monotone
+        self._wanted = wanted
+        self._dest = dest
+        self._targets: dict[int, np.ndarray] = {}
+        self.width = frame.shuffle
+        self.plane = frame.raw_length // frame.shuffle
+        last = self._reach[-1] if wanted else 0
+        # Decoding can stop after the stream position of the last wanted byte (in the last plane).
+        self.needed = (self.width - 1) * self.plane + (last - 1) // self.width + 1 if last else 0
+
+    def _target(self, index: int) -> np.ndarray:
+        if index not in self._targets:
+            _, _, key, piece = self._wanted[index]
+            self._targets[index] = np.frombuffer(self._dest.view(key, piece), dtype=np.uint8)
+        return self._targets[index]
+
+    def put(self, position: int, data: bytes | memoryview) -> None:
+        """Stream bytes ``[position, position + len(data))`` of the frame's decoded bytes."""
+        block = np.frombuffer(data, dtype=np.uint8)
+        while len(block):
+            plane, first = divmod(position, self.plane)
+            count = min(len(block), self.plane - first)
+            self._put_plane(plane, first, block[:count])
+            block, position = block[count:], position + count
+
+    def _put_plane(self, j: int, first: int, block: np.ndarray) -> None:
+        """Elements ``first ..`` of plane ``j``: frame bytes ``e * w + j``."""
+        w, stop = self.width, first + len(block)
+        low, high = first * w + j, (stop - 1) * w + j + 1
+        for index in range(bisect_left(self._reach, low + 1), bisect_left(self._starts, high)):
+            start, end = self._wanted[index][:2]
+            lo, hi = max(first, -(-(start - j) // w)), min(stop, -(-(end - j) // w))
+            if lo < hi:
+                at = lo * w + j - start
+                self._target(index)[at : at + (hi - lo - 1) * w + 1 : w] = block[lo - first : hi - first]
+
+
+class _StoredStream:
+    """A frame's stored bytes read from its file as a stream, a block at a time: how a verified frame
+    with holes is decoded without holding what it claims."""
+
+    def __init__(self, fd: int, offset: int, length: int, where: str) -> None:
+        self._fd, self._position, self._end, self._where = fd, offset, offset + length, where
+
+    def read(self, size: int = -1, /) -> bytes:
+        wanted = min(DECODE_BLOCK if size < 0 else size, self._end - self._position)
+        data = _read_exact(self._fd, self._position, wanted, self._where)
+        self._position += len(data)
+        return data
+
+
+def _decode_into(
+    stored: bytes | _StoredStream, frame: FrameRecord, ordered: list[tuple[Hashable, Piece]], dest: PieceDestination
+) -> None:
+    """The verified stored bytes of a frame, decoded as far as the wanted pieces need, into them."""
+    scatter = _FrameScatter(ordered, dest, frame)
+    if frame.codec == "none":
+        blocks = iter(lambda: stored.read(DECODE_BLOCK), b"") if isinstance(stored, _StoredStream) else [stored]
+    else:
+        blocks = zstd_blocks(stored, frame.raw_length, stop=scatter.needed)
+    position = 0
+    for block in blocks:
+        scatter.put(position, block)
+        position += len(block)
+
+
+def _unreadable(exc: OSError, where: str) -> TierError:
+    return TierError(exc.errno, f"{where}: cannot read: {exc.strerror or exc}")
 
 
 def _check_frame(frame: FrameRecord, actual: str, where: str) -> None:
@@ -119,23 +276,40 @@ def _check_frame(frame: FrameRecord, actual: str, where: str) -> None:
 def _read_frame(
     fd: int, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], dest: PieceDestination, where: str
 ) -> None:
-    ordered = sorted(pieces, key=lambda kp: kp[1].offset)
-    views = _frame_views(ordered, frame.raw_length, dest) if frame.codec == "none" else None
-    if views is not None:
-        _scatter_read(fd, frame.offset, views, where)
-        hasher = xxhash.xxh3_64()
-        for view in views:
-            hasher.update(view)
-        _check_frame(frame, hasher.hexdigest(), where)
-        return
-    stored = _read_exact(fd, frame.offset, frame.length, where)
-    _check_frame(frame, xxhash.xxh3_64_hexdigest(stored), where)
+    """Read, verify and scatter one frame; a storage error (EIO, a directory in the file's place) is
+    a TierError naming the file and frame."""
     try:
-        raw = memoryview(decompress(stored, frame.codec, frame.raw_length, frame.shuffle)).cast("B")
+        _read_verified(fd, frame, pieces, dest, where)
+    except TierstateError:
+        raise
+    except OSError as exc:
+        raise _unreadable(exc, where) from None
+
+
+def _read_verified(
+    fd: int, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], dest: PieceDestination, where: str
+) -> None:
+    end = frame.offset + frame.length
+    size = os.fstat(fd).st_size
+    if end > size:
+        raise CorruptCheckpointError(f"{where}: truncated (the frame ends at byte {end}, the file has {size})")
+    holes = has_holes(fd, frame.offset, frame.length)
+    if holes:  # claimed, not held: verified (holes hashed, not read) before it costs any memory
+        hasher = xxhash.xxh3_64()
+        _check(hasher.hexdigest() if feed_range(fd, frame.offset, frame.length, hasher) else None, frame, where)
+    ordered = sorted(pieces, key=lambda kp: kp[1].offset)
+    if frame.codec == "none" and _disjoint(ordered, frame.length):
+        _check(_read_in_place(fd, frame, ordered, dest, where), frame, where)
+        return
+    if holes:
+        stored: bytes | _StoredStream = _StoredStream(fd, frame.offset, frame.length, where)
+    else:  # every byte on disk: read once, verified, then decoded from memory
+        stored = _read_exact(fd, frame.offset, frame.length, where)
+        _check(xxhash.xxh3_64_hexdigest(stored), frame, where)
+    try:
+        _decode_into(stored, frame, ordered, dest)
     except CodecError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
-    for key, piece in ordered:
-        dest.view(key, piece)[:] = raw[piece.offset : piece.offset + piece.length]
 
 
 def check_file_sizes(directory: Path, manifest: Manifest) -> None:
@@ -181,6 +355,8 @@ def read_pieces(
                 fds[name] = open_read(directory / name)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{directory / name}: data file missing") from None
+            except OSError as exc:
+                raise _unreadable(exc, str(directory / name)) from None
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tierstate-read") as pool:
             futures = [
                 pool.submit(

@@ -57,12 +57,17 @@ class FlushPolicy(_Policy):
     ``every``: the tier receives checkpoints whose step is a multiple of it (1 = all; with a
     checkpoint every N steps, ``every: k*N`` is every k-th checkpoint). ``workers``: checkpoints
     copied to this tier at once. ``bandwidth``: bytes per second shared by those copies, so a flush
-    leaves the file system to the job; null = unlimited.
+    leaves the file system to the job; null = unlimited. ``retries``: more attempts at a copy that
+    failed with a transient error (EIO, ENOSPC, a timeout, ...), waiting ``backoff`` seconds before
+    the first and twice as long before each next; a copy is resumable, so a retry copies only
+    what is missing. A flush that still fails keeps its source copy pinned (retention keeps it).
     """
 
     every: Positive = 1
     workers: Positive = 1
     bandwidth: Annotated[ByteSize, Field(gt=0)] | None = None
+    retries: Annotated[int, Field(ge=0, le=100)] = 3
+    backoff: Annotated[float, Field(gt=0, le=600)] = 1.0
 
     def due(self, step: int) -> bool:
         return step % self.every == 0

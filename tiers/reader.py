@@ -18,12 +18,26 @@ import torch
 
 from .boxes import Box
 from .dtypes import dtype_from_name
-from .format import Manifest, ObjectRecord, ShardedRecord, TensorRecord, read_manifest, stored_key
+from .format import (
+    Manifest,
+    ManifestError,
+    MissingItemError,
+    ObjectRecord,
+    ShardedRecord,
+    TensorRecord,
+    read_manifest,
+    stored_key,
+)
 from .multirank import rank_view
 from .objcodec import decode_object
 from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what load and read_items raise
-from .pieces import check_file_sizes, read_records
+from .pieces import ReadTooLargeError, check_file_sizes, read_records
 from .reshard import Region, global_shape, read_regions
+
+#: What reading one copy of a checkpoint fails with when that copy is at fault (invalid, damaged,
+#: unreadable, too large for this machine, without the items asked for): a restore then tries the
+#: next copy. An object refused by policy (pickle) is not among them: every copy would be refused.
+COPY_ERRORS = (ManifestError, CorruptCheckpointError, ReadTooLargeError, MissingItemError, OSError)
 
 
 def read_items(
@@ -41,7 +55,7 @@ def read_items(
     wanted = list(manifest.items) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in manifest.items]
     if unknown:
-        raise KeyError(f"{directory}: no item(s) {', '.join(unknown[:8])}")
+        raise MissingItemError(f"{directory}: no item(s) {', '.join(unknown[:8])}")
     check_file_sizes(directory, manifest)
     view = rank_view(manifest, 0, wanted)
     stored = dict.fromkeys(stored_key(key, view.items[key]) for key in wanted)  # in order, each once

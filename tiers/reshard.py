@@ -25,7 +25,7 @@ import torch
 from .boxes import Box
 from .dtypes import dtype_from_name
 from .format import Manifest, Piece, ShardedRecord, TensorRecord
-from .pieces import ByteBuffers, read_pieces
+from .pieces import ByteBuffers, allocate, read_pieces
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def read_regions(directory: Path, manifest: Manifest, regions: Sequence[Region],
             if overlap is not None:
                 wanted[(i, j)] = _covering_pieces(record, source, overlap, itemsize)
                 base, end = _span(wanted[(i, j)])
-                windows.add((i, j), end - base, base)
+                windows.add((i, j), end - base, base, f"item {region.key!r}")
                 found.append(((i, j), source, overlap))
         overlaps.append(found)
     bytes_read = read_pieces(directory, manifest, wanted, windows, workers)
@@ -132,15 +132,15 @@ def _assemble(region: Region, found: list[tuple[Hashable, Box, Box]], windows: B
     dtype = dtype_from_name(region.record.dtype)
     if len(found) == 1 and found[0][1] == region.box:
         # The box is exactly one stored tensor: its buffer already is the result, no copy.
-        return windows.buffers[found[0][0]].view(dtype).reshape(region.box.shape)
-    out = torch.empty(region.box.shape, dtype=dtype)
+        return windows.tensor(found[0][0]).view(dtype).reshape(region.box.shape)
+    out = allocate(region.box.shape, dtype, f"item {region.key!r}")
     out_bytes = out.reshape(-1).view(torch.uint8).reshape(_byte_box(region.box, dtype.itemsize).shape)
     for key, source, overlap in found:
         byte_source = _byte_box(source, dtype.itemsize)
         in_source = _byte_box(overlap.relative_to(source), dtype.itemsize)
         in_out = _byte_box(overlap.relative_to(region.box), dtype.itemsize)
         piece = torch.as_strided(
-            windows.buffers[key],
+            windows.tensor(key),
             in_source.shape,
             _strides(byte_source.shape),
             _flat(in_source.offsets, byte_source.shape) - windows.bases[key],

@@ -5,8 +5,10 @@ A step is deleted from a tier only if all of these hold:
 - the tier's :class:`~tiers.policy.RetentionPolicy` does not keep it;
 - it is not the newest committed step on any tier (whatever the policy, the latest progress stays);
 - it is not the last copy of a checkpoint some tier is still due to receive: a step another tier's
-  flush policy selects and that tier does not hold yet (its flush is pending, running or failed)
-  stays where it is;
+  flush policy selects and that tier has not received (its flush is pending, running or failed)
+  stays where it is. A tier that received a copy and later let it go (its own retention pruned
+  it) is no longer due: each copy published on another tier by a flush or a migration is noted
+  in the source copy's directory (a ``received-TIER.json`` receipt, which goes with that copy);
 - nobody is reading it (restore, migrate, flush, verify, export hold a shared lock; see
   :mod:`tiers.locks`).
 
@@ -28,6 +30,7 @@ kept``, for a person to look at and remove by hand; none is ever followed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -38,9 +41,12 @@ from pathlib import Path
 
 from . import faults
 from .filesystem import DELETING_SUFFIX, PARTIAL_SUFFIX, FilesystemTier, InvalidEntry, fsync_dir
+from .format import now_iso
 from .locks import InUseError, exclusive
 from .policy import FlushPolicy, RetentionPolicy
-from .safeopen import remove
+from .safeopen import remove, write_durably
+
+RECEIPT_PREFIX = "received-"
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,25 @@ def delete_step(tier: FilesystemTier, step: int) -> None:
         shutil.rmtree(doomed)
 
 
+def _receipt(directory: Path, receiver: str) -> Path:
+    return directory / f"{RECEIPT_PREFIX}{receiver}.json"
+
+
+def record_receipt(source: FilesystemTier, step: int, receiver: str) -> None:
+    """Note in ``source``'s copy of ``step`` that tier ``receiver`` holds it now (published there).
+
+    The note lives and dies with that copy, and says which checkpoint was received, not which step
+    number: a step number that a rolled-back run commits again is a new copy without receipts.
+    """
+    body = {"tier": receiver, "received_at": now_iso()}
+    write_durably(_receipt(source.step_dir(step), receiver), json.dumps(body).encode())
+
+
+def _received(holders: Sequence[FilesystemTier], step: int, receiver: str) -> bool:
+    """Whether tier ``receiver`` has received ``step`` from a copy one of ``holders`` still holds."""
+    return any(_receipt(tier.step_dir(step), receiver).is_file() for tier in holders)
+
+
 def _hold_reason(
     policies: TierPolicies,
     step: int,
@@ -90,10 +115,15 @@ def _hold_reason(
         return kept
     if step == newest:
         return "the newest checkpoint"
+    holders = [p.tier for p in everyone if step in holdings[p.tier.name]]
     due = [
         other.tier.name
         for other in everyone
-        if other is not policies and other.flush and other.flush.due(step) and step not in holdings[other.tier.name]
+        if other is not policies
+        and other.flush
+        and other.flush.due(step)
+        and step not in holdings[other.tier.name]
+        and not _received(holders, step, other.tier.name)
     ]
     if due:
         return f"last copy: due on {', '.join(due)} and not flushed there yet"
@@ -119,6 +149,8 @@ def prune(tiers: Sequence[TierPolicies], dry_run: bool = False, only: Collection
                     reason = "in use (being read, flushed or restored)"
                 except FileNotFoundError:
                     reason = "already gone (deleted by someone else)"
+                except OSError as exc:  # a read-only or failing tier: the others are still pruned
+                    reason = f"cannot delete: {exc.strerror or exc}"
             if reason is None:
                 holdings[name].discard(step)
             decisions.append(

@@ -6,6 +6,8 @@ leaves a stamp (``verified.json``: for which manifest, when, and what was wrong)
 ls`` shows as state ``verified`` or ``damaged``, until the next pass replaces it. The stamp is
 advisory: it is not part of the checkpoint, is never copied, and means only "was intact (or not)
 when last checked".
+A stamp that cannot be written (a read-only or full tier) is a warning beside the result, never a
+failure.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def frame_problem(fd: int, frame: FrameRecord) -> str | None:
     return None
 
 
+def _unreadable(exc: OSError) -> str:
+    return f"cannot read: {exc.strerror or exc}"
+
+
 def verify_directory(directory: Path, manifest: Manifest, progress: Progress | None = None) -> list[Problem]:
     """Every problem with the data files and indexes in ``directory`` against ``manifest``."""
     advance = progress or (lambda _n: None)
@@ -60,6 +66,10 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
         try:
             fd = open_read(directory / name)
         except (FileNotFoundError, UnsafeFileError) as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
+            advance(record.size)
+            continue
+        except OSError as exc:
             problems.append(Problem(name, None, _unreadable(exc)))
             advance(record.size)
             continue
@@ -72,12 +82,17 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
                 if message:
                     problems.append(Problem(name, i, message))
                 advance(frame.length)
+        except OSError as exc:  # a directory in the file's place, an I/O error: the rest of it is unread
+            problems.append(Problem(name, None, _unreadable(exc)))
         finally:
             os.close(fd)
     for name, digest in sorted(manifest.indexes.items()):
         try:
             actual = checksum(read_bytes(directory / name))
         except (FileNotFoundError, UnsafeFileError) as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
+            continue
+        except OSError as exc:
             problems.append(Problem(name, None, _unreadable(exc)))
             continue
         if actual != digest:
@@ -106,15 +121,22 @@ class Stamp:
     problems: tuple[str, ...] = ()
 
 
-def write_stamp(directory: Path, problems: Sequence[Problem] = ()) -> None:
+def write_stamp(directory: Path, problems: Sequence[Problem] = ()) -> str | None:
     """Record that the checkpoint in ``directory`` has just passed a full verification, or failed it with
-    ``problems``."""
+    ``problems``; why it could not be recorded (the directory is read-only, full or gone), or None.
+    Something planted under the stamp's name is refused (UnsafeFileError), never written through."""
     stamp: dict[str, object] = {"manifest": _manifest_id(directory)}
     if problems:
         stamp |= {"damaged_at": now_iso(), "problems": [str(p) for p in problems]}
     else:
         stamp["verified_at"] = now_iso()
-    write_durably(directory / STAMP_NAME, json.dumps(stamp).encode())
+    try:
+        write_durably(directory / STAMP_NAME, json.dumps(stamp).encode())
+    except UnsafeFileError:
+        raise
+    except OSError as exc:
+        return f"{directory / STAMP_NAME}: not recorded: {exc.strerror or exc}"
+    return None
 
 
 def read_stamp(directory: Path) -> Stamp | None:
@@ -139,6 +161,7 @@ class VerifyResult:
     bytes: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # about the stamp only: the result stands
 
     @property
     def ok(self) -> bool:
@@ -153,6 +176,7 @@ class VerifyResult:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 4),
             "problems": [str(p) for p in self.problems],
+            "warnings": self.warnings,
         }
 
 
@@ -178,9 +202,12 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
         manifest = directory / MANIFEST_NAME
         if manifest.is_file() and not manifest.is_symlink():  # a damaged copy stays marked until found clean
             try:
-                write_stamp(directory, result.problems)
+                warning = write_stamp(directory, result.problems)
             except UnsafeFileError as exc:  # something planted under the stamp's name: removed, not followed
                 result.problems.append(Problem(STAMP_NAME, None, exc.reason))
                 remove(directory / STAMP_NAME)
+            else:
+                if warning:
+                    result.warnings.append(warning)
     result.seconds = time.perf_counter() - started
     return result

@@ -41,11 +41,12 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.tiers.commands import UsageError
     from tierstate.tiers.dtypes import UnknownDtypeError
     from tierstate.tiers.filesystem import CheckpointExistsError, TierError, TierInUseError
-    from tierstate.tiers.format import ManifestError, read_manifest
+    from tierstate.tiers.format import ManifestError, MissingItemError, read_manifest
     from tierstate.tiers.hdf5 import Hdf5LayoutError
     from tierstate.tiers.locks import InUseError
     from tierstate.tiers.migrate import MigrateError
     from tierstate.tiers.objcodec import ObjectCodecError
+    from tierstate.tiers.pieces import ReadTooLargeError
     from tierstate.tiers.reader import CorruptCheckpointError, load
 
 # Where the public names live: imported from there on first use.
@@ -64,11 +65,12 @@ _HOMES = {
     "tierstate.tiers.commands": ("UsageError",),
     "tierstate.tiers.dtypes": ("UnknownDtypeError",),
     "tierstate.tiers.filesystem": ("CheckpointExistsError", "TierError", "TierInUseError"),
-    "tierstate.tiers.format": ("ManifestError", "read_manifest"),
+    "tierstate.tiers.format": ("ManifestError", "MissingItemError", "read_manifest"),
     "tierstate.tiers.hdf5": ("Hdf5LayoutError",),
     "tierstate.tiers.locks": ("InUseError",),
     "tierstate.tiers.migrate": ("MigrateError",),
     "tierstate.tiers.objcodec": ("ObjectCodecError",),
+    "tierstate.tiers.pieces": ("ReadTooLargeError",),
     "tierstate.tiers.reader": ("CorruptCheckpointError", "load"),
 }  # fmt: skip
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -109,6 +111,7 @@ __all__ = [
     "InUseError",
     "ManifestError",
     "MigrateError",
+    "MissingItemError",
     "ModuleProvider",
     "NoCheckpointError",
     "NothingToRestoreError",
@@ -118,6 +121,7 @@ __all__ = [
     "OptimizerProvider",
     "PipelineConfig",
     "RNGProvider",
+    "ReadTooLargeError",
     "RestoreError",
     "RestoreResult",
     "Runner",

@@ -1,0 +1,291 @@
+"""Resource bombs in forged checkpoints: a size a manifest claims costs no memory the files do not back.
+
+The forger has write access to the tier and re-signs the manifest (its self-checksum is an
+integrity check, not a signature). The bombs:
+
+- a frame (or the item in it) claiming 64 GiB over a data file made that long by ``truncate``:
+  sparse, so the claim costs the forger nothing; the frame's checksum is the original one;
+- a zstd frame within zstd's ratio, frame checksum recomputed, whose few stored kilobytes decode
+  to gigabytes: once as a frame holding a 1 MiB item, once as an item claiming all of it;
+- 4,000 column shards of one tensor, which made validating the manifest quadratic.
+
+Each restore runs in a child process whose address space is capped a little above what it uses
+once warmed up (one restore done), so a read that allocates on a claim fails there at once
+instead of swapping the machine; the child reports its peak RSS growth and what it restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zstandard
+
+from faultkit import REPO, expected, state_matches, trainer, write_steps
+from tierstate.errors import TierstateError
+from tierstate.tiers.codecs import shuffle
+from tierstate.tiers.format import MANIFEST_NAME, checksum, manifest_bytes, now_iso
+from tierstate.tiers.reader import load
+
+pytestmark = pytest.mark.faults
+
+DATA = "rank-00000.data"
+GiB = 1 << 30
+HEADROOM = GiB  # address space the child may add to what it holds after warming up
+MAX_GROWTH = 256 << 20  # peak RSS growth allowed for reading a bomb (the real state is ~4 MiB)
+CHILD_TIMEOUT = 180
+
+
+# --- the child process -----------------------------------------------------------------------------
+
+
+def restore_capped(root: str) -> None:
+    """In the child: restore step 1 (warming up), cap the address space, restore the latest with
+    fallback; print one JSON line: what was restored (or the error), and the peak RSS growth."""
+    with trainer(Path(root)) as (runner, state):
+        runner.restore(1)
+        _cap_address_space(HEADROOM)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        started = time.perf_counter()
+        try:
+            result = runner.restore("latest", fallback=True)
+            outcome: dict[str, Any] = {
+                "step": result.step,
+                "problems": list(result.problems),
+                "exact": state_matches(state, result.step),
+            }
+        except Exception as exc:  # reported to the test, which names it
+            outcome = {"error": f"{type(exc).__name__}: {exc}", "tierstate": isinstance(exc, TierstateError)}
+        outcome["seconds"] = time.perf_counter() - started
+        outcome["growth"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    print(json.dumps(outcome))
+
+
+def _cap_address_space(headroom: int) -> None:
+    with open("/proc/self/statm") as statm:
+        size = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (size + headroom, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _restore_in_child(root: Path) -> dict[str, Any]:
+    path = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    code = f"import test_bombs; test_bombs.restore_capped({str(root)!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- forging -----------------------------------------------------------------------------------------
+
+
+def _forge(directory: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the manifest body and re-sign it."""
+    body = json.loads((directory / MANIFEST_NAME).read_bytes())["manifest"]
+    edit(body)
+    (directory / MANIFEST_NAME).write_bytes(manifest_bytes(body))
+
+
+def _frame_of(body: dict[str, Any], key: str) -> dict[str, Any]:
+    [piece] = body["items"][key]["pieces"]
+    return body["files"][DATA]["frames"][piece["frame"]]
+
+
+def _grow_frame(body: dict[str, Any], frame: dict[str, Any], length: int, raw_length: int) -> None:
+    """Make ``frame`` ``length`` bytes long, moving the frames after it along (the file grows too)."""
+    shift = length - frame["length"]
+    for other in body["files"][DATA]["frames"]:
+        if other["offset"] > frame["offset"]:
+            other["offset"] += shift
+    body["files"][DATA]["size"] += shift
+    frame.update(length=length, raw_length=raw_length)
+
+
+def _claim_item(body: dict[str, Any], key: str, nbytes: int) -> None:
+    """Item ``key`` (alone in its frame) claims ``nbytes``: its shape and its piece grow to it."""
+    item = body["items"][key]
+    item["shape"] = [nbytes // 4]
+    item["pieces"][0]["length"] = nbytes
+
+
+def _splice(directory: Path, offset: int, old_length: int, new: bytes, new_length: int) -> None:
+    """Replace the ``old_length`` bytes at ``offset`` of the data file by ``new_length`` bytes: ``new``,
+    then a hole up to ``new_length`` (sparse: nothing stored); what followed moves along."""
+    path = directory / DATA
+    tail = path.read_bytes()[offset + old_length :]
+    with open(path, "r+b") as out:
+        out.truncate(offset)
+        out.seek(offset)
+        out.write(new)
+        out.seek(offset + new_length)
+        out.write(tail)
+        out.truncate(offset + new_length + len(tail))
+
+
+# --- 64 GiB over a sparse file -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("claim", ["frame", "item"])
+def test_64_gib_claimed_over_a_sparse_file_costs_no_memory_and_falls_back(tmp_path: Path, claim: str) -> None:
+    """Frame checksums are the original ones: the holes hash to something else, found before a byte
+    is allocated for them (they are hashed, not read), and ``fallback=True`` restores step 1."""
+    write_steps(tmp_path, [1, 2])
+    step2 = tmp_path / "nvme" / "step-2"
+
+    def edit(body: dict[str, Any]) -> None:
+        frame = _frame_of(body, "t/c")
+        _grow_frame(body, frame, 64 * GiB, 64 * GiB)
+        if claim == "item":
+            _claim_item(body, "t/c", 64 * GiB)
+        original = (step2 / DATA).read_bytes()[frame["offset"] :][: 1 << 20]
+        _splice(step2, frame["offset"], len(original), original, 64 * GiB)
+
+    _forge(step2, edit)
+    assert (step2 / DATA).stat().st_size > 64 * GiB and (step2 / DATA).stat().st_blocks * 512 < 16 << 20
+    outcome = _restore_in_child(tmp_path)
+    assert "error" not in outcome, outcome["error"]
+    assert outcome["step"] == 1 and outcome["exact"]
+    assert len(outcome["problems"]) == 1 and "checksum mismatch" in outcome["problems"][0]
+    assert outcome["growth"] < MAX_GROWTH
+
+
+# --- zstd bombs --------------------------------------------------------------------------------------
+
+
+def _zstd_bomb(planes: list[bytes], raw_length: int) -> bytes:
+    """A zstd frame of ``raw_length`` bytes: each of the ``len(planes)`` equal planes starts with its
+    given bytes and is zeros after them. Streamed, so building it takes no gigabytes either."""
+    plane_length = raw_length // len(planes)
+    compressor = zstandard.ZstdCompressor(level=3).compressobj(size=raw_length)
+    zeros = bytes(64 << 20)
+    out = []
+    for plane in planes:
+        out.append(compressor.compress(plane))
+        left = plane_length - len(plane)
+        while left:
+            out.append(compressor.compress(zeros[: min(left, len(zeros))]))
+            left -= min(left, len(zeros))
+    out.append(compressor.flush())
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_zstd_frame_expanding_to_gigabytes_decodes_only_what_its_pieces_need(tmp_path: Path, width: int) -> None:
+    """2 GiB (within zstd's ratio) from ~65 KB: the 1 MiB item in it comes back bit-exact, the rest
+    is never held. Width 1 stops decoding after the item; width 4 (byte planes) decodes all of the
+    stream, plane by plane, and keeps each item byte as it passes."""
+    write_steps(tmp_path, [1, 2], pipeline__stages__compress__codec="zstd")
+    step2 = tmp_path / "nvme" / "step-2"
+    item = expected(2)["c"].view(torch.uint8).numpy().tobytes()
+    shuffled = bytes(shuffle(item, width))
+    planes = [shuffled[j * len(item) // width : (j + 1) * len(item) // width] for j in range(width)]
+    raw_length = 2 * GiB
+
+    def edit(body: dict[str, Any]) -> None:
+        frame = _frame_of(body, "t/c")
+        assert [p["offset"] for p in body["items"]["t/c"]["pieces"]] == [0] and frame["codec"] == "zstd"
+        bomb = _zstd_bomb(planes, raw_length)
+        old_length = frame["length"]
+        _grow_frame(body, frame, len(bomb), raw_length)
+        frame.update(shuffle=width, checksum=checksum(bomb))
+        _splice(step2, frame["offset"], old_length, bomb, len(bomb))
+
+    _forge(step2, edit)
+    outcome = _restore_in_child(tmp_path)
+    assert "error" not in outcome, outcome["error"]
+    assert outcome["step"] == 2 and outcome["exact"] and not outcome["problems"]
+    assert outcome["growth"] < MAX_GROWTH
+
+
+def test_an_item_claiming_more_memory_than_there_is_fails_cleanly_and_falls_back(tmp_path: Path) -> None:
+    """A consistent forgery (frame checksum recomputed): the item really is 2 GiB of zeros. It cannot
+    be allocated under the cap, which is a ReadTooLargeError naming it, and step 1 is restored."""
+    write_steps(tmp_path, [1, 2], pipeline__stages__compress__codec="zstd")
+    step2 = tmp_path / "nvme" / "step-2"
+    raw_length = 2 * GiB
+
+    def edit(body: dict[str, Any]) -> None:
+        frame = _frame_of(body, "t/c")
+        bomb = _zstd_bomb([b""], raw_length)
+        old_length = frame["length"]
+        _grow_frame(body, frame, len(bomb), raw_length)
+        frame.update(shuffle=1, checksum=checksum(bomb))
+        _claim_item(body, "t/c", raw_length)
+        _splice(step2, frame["offset"], old_length, bomb, len(bomb))
+
+    _forge(step2, edit)
+    outcome = _restore_in_child(tmp_path)
+    assert "error" not in outcome, outcome["error"]
+    assert outcome["step"] == 1 and outcome["exact"]
+    assert "item 't/c': cannot allocate the 2147483648 bytes" in outcome["problems"][0]
+    assert outcome["growth"] < MAX_GROWTH
+
+
+# --- thousands of shards -------------------------------------------------------------------------------
+
+ROWS, COLUMNS = 16, 4000
+
+
+def _column_shards(directory: Path) -> torch.Tensor:
+    """A committed checkpoint of one [16, 4000] tensor saved as 4,000 column shards; the tensor."""
+    whole = torch.arange(ROWS * COLUMNS, dtype=torch.float32).reshape(ROWS, COLUMNS)
+    data = b"".join(whole[:, i].contiguous().numpy().tobytes() for i in range(COLUMNS))
+    directory.mkdir(parents=True)
+    (directory / DATA).write_bytes(data)
+    column = ROWS * 4
+    frame = {"offset": 0, "length": len(data), "raw_length": len(data), "codec": "none", "checksum": checksum(data)}
+    shards = [
+        {
+            "kind": "tensor",
+            "dtype": "float32",
+            "shape": [ROWS, 1],
+            "shard": {"global_shape": [ROWS, COLUMNS], "offsets": [0, i]},
+            "pieces": [{"file": DATA, "frame": 0, "offset": i * column, "length": column, "item_offset": 0}],
+        }
+        for i in range(COLUMNS)
+    ]
+    body = {
+        "format": "tierstate",
+        "version": 2,
+        "step": 1,
+        "created": now_iso(),
+        "world_size": 1,
+        "files": {DATA: {"size": len(data), "frames": [frame]}},
+        "indexes": {},
+        "items": {"w": {"kind": "sharded", "dtype": "float32", "global_shape": [ROWS, COLUMNS], "shards": shards}},
+    }
+    (directory / MANIFEST_NAME).write_bytes(manifest_bytes(body))
+    return whole
+
+
+def test_four_thousand_column_shards_list_and_load_in_bounded_time(tmp_path: Path) -> None:
+    """Checking that the shards tile the tensor is linear in the shards (it was quadratic: 77 s)."""
+    whole = _column_shards(tmp_path / "nvme" / "step-1")
+    listed = subprocess.run(
+        [sys.executable, "-m", "tierstate", "ls", "--json", "--tier", f"nvme={tmp_path / 'nvme'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    [entry] = json.loads(listed.stdout)
+    assert entry["state"] == "committed" and entry["items"] == 1
+    started = time.perf_counter()
+    assert torch.equal(load(tmp_path / "nvme" / "step-1")["w"], whole)
+    assert time.perf_counter() - started < 10
