@@ -31,7 +31,6 @@ import torch
 
 from tierstate.errors import TierstateError
 
-from ..providers.base import StateProvider
 from ..providers.composite import CompositeProvider
 from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
@@ -45,6 +44,7 @@ from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, Handle
 from .job import CheckpointJob, JobContext, JobStats
 from .laziness import CaptureRules, changed_keys, fingerprints, unwrap_optimizer
 from .plan import CheckpointPlan, plan_checkpoint
+from .registration import provider_for
 from .restore import RestoreResult, restore_into
 
 log = logging.getLogger("tierstate")
@@ -128,8 +128,15 @@ class Runner:
         return cls(load_config(path, overrides), rank=rank, **options)
 
     # --- wiring -------------------------------------------------------------------------------
-    def register(self, **providers: StateProvider) -> None:
-        """Add providers under their names; an :class:`OptimizerProvider` attaches its optimizer too."""
+    def register(self, **state: Any) -> None:
+        """Checkpoint each value under its name: ``register(model=model, optim=opt, sched=scheduler)``.
+
+        An ``nn.Module``, a torch optimizer and anything with ``state_dict()``/``load_state_dict()``
+        are wrapped in the provider that fits (pipeline/registration.py); a provider is taken as it
+        is. An optimizer, plain or in an :class:`OptimizerProvider`, is attached too (see ``attach``).
+        Nothing is registered if any value fits no provider.
+        """
+        providers = {name: provider_for(name, value) for name, value in state.items()}
         for name, provider in providers.items():
             self.providers.add(name, provider)
             if isinstance(provider, OptimizerProvider):
