@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import numbers
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from tierstate.errors import TierstateError
 from ..providers.composite import CompositeProvider
 from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import MAX_BYTES
 from ..tiers.hostcache import HostCache
 from .capture import SlabCopier, record_ready_event
 from .config import PipelineConfig, load_config
@@ -46,6 +48,7 @@ from .laziness import CaptureRules, changed_keys, fingerprints, unwrap_optimizer
 from .plan import CheckpointPlan, plan_checkpoint
 from .registration import provider_for
 from .restore import RestoreResult, restore_into
+from .tierpaths import check_tier_paths
 
 log = logging.getLogger("tierstate")
 
@@ -56,6 +59,25 @@ class RunnerClosedError(TierstateError, RuntimeError):
 
 class CaptureChangedError(TierstateError, RuntimeError):
     """``policies.check_capture`` saw a lazily captured tensor change before its copy; names the keys."""
+
+
+class NothingRegisteredError(TierstateError, RuntimeError):
+    """A checkpoint was requested before anything was registered: it would hold nothing to restore."""
+
+
+class InvalidStepError(TierstateError, ValueError):
+    """A checkpoint step that is not a whole number from 0 to 2**50."""
+
+
+def _checked_step(step: object) -> int:
+    """``step`` as an int; InvalidStepError saying what was given instead (a tensor, -1, 1.5, True)."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and 0 <= int(step) <= MAX_BYTES:
+        return int(step)
+    if isinstance(step, torch.Tensor):
+        raise InvalidStepError(f"checkpoint step must be an int, got a tensor ({step!r}); pass int(step)")
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        raise InvalidStepError(f"checkpoint step must be from 0 to 2**50, got {int(step)}")
+    raise InvalidStepError(f"checkpoint step must be an int from 0 to 2**50, got {type(step).__name__} {step!r}")
 
 
 def _first_leaf(error: BaseException) -> BaseException:
@@ -80,6 +102,7 @@ class Runner:
         collective waits for the slowest rank before the checkpoint fails; ``history_size``: how many
         of the latest checkpoints ``history`` keeps (a long run must not keep them all)."""
         self.config = config
+        check_tier_paths(config)  # a bad tier path fails here, not at the first checkpoint
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
@@ -168,10 +191,20 @@ class Runner:
 
     # --- checkpoint ---------------------------------------------------------------------------
     def checkpoint(self, step: int) -> CheckpointHandle:
-        """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O."""
+        """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O.
+
+        Raises at once, before anything is written, for a closed runner, a ``step`` that is not a
+        whole number from 0 to 2**50, and a runner with nothing registered; any later failure is
+        reported on the handle and in the log, never raised here.
+        """
         started = time.perf_counter()
         if self._closed:
             raise RunnerClosedError(self._closed_reason())
+        step = _checked_step(step)
+        if not self.providers.children:
+            raise NothingRegisteredError(
+                f"checkpoint step {step}: nothing is registered; call runner.register(model=model, optim=opt) first"
+            )
         completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)])
         handle = completer.handle
         with self._lock:
