@@ -43,8 +43,9 @@ from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
-from .job import CheckpointJob, JobContext, JobStats
+from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, changed_keys, fingerprints, unwrap_optimizer
+from .metrics import CheckpointStats, Outcome, RunMetrics
 from .plan import CheckpointPlan, plan_checkpoint
 from .registration import provider_for
 from .restore import RestoreResult, restore_into
@@ -128,8 +129,13 @@ class Runner:
         self._lock = threading.Lock()
         self._closed = False
         self._owner_pid = os.getpid()
-        # The latest checkpoints that reached the pipeline, oldest first, with their stage statistics.
-        self.history: collections.deque[tuple[CheckpointHandle, JobStats]] = collections.deque(maxlen=history_size)
+        # The latest checkpoints that reached the pipeline, oldest first, with their stats (``handle.stats``).
+        self.history: collections.deque[tuple[CheckpointHandle, CheckpointStats]] = collections.deque(
+            maxlen=history_size
+        )
+        # Every checkpoint requested, summed (metrics()); added to from the trainer's and the loop's thread.
+        self._metrics = RunMetrics()
+        self._metrics_lock = threading.Lock()
         # Background flushes to slower tiers and retention (pipeline/flush.py); only the committing rank's.
         leader = self._group is None or self._group.is_leader
         self._flusher = Flusher(config, self.tiers, self._loop, active=leader)
@@ -211,9 +217,10 @@ class Runner:
             previous = self._inflight
             if previous is not None and not previous.handle.done():
                 if self.config.policies.in_flight == "skip":
-                    completer.skipped()
-                    log.warning("checkpoint step %d skipped: step %d still in flight", step, previous.step)
                     completer.blocked(time.perf_counter() - started)
+                    message = "checkpoint step %d skipped: step %d still in flight"
+                    self._report(completer, "skipped", message, step, previous.step)
+                    completer.skipped()
                     return handle
                 previous.handle.wait()
             declined = None
@@ -224,11 +231,13 @@ class Runner:
                 on_captured = self._capture_check(plan, completer) if self.config.policies.check_capture else None
                 ready = record_ready_event([item.tensor for item in plan.tensors])
             except Exception as exc:  # a provider bug must not stop training
-                log.error("checkpoint step %d failed while describing state: %s", step, exc)
                 if self._group is None:
-                    completer.failed(exc)
                     completer.blocked(time.perf_counter() - started)
+                    message = "checkpoint step %d failed while describing state: %s"
+                    self._report(completer, "failed", message, step, exc, error=exc)
+                    completer.failed(exc)
                     return handle
+                log.error("checkpoint step %d failed while describing state: %s", step, exc)
                 # The other ranks are opening this step: this one must take part, to decline it.
                 declined, plan, ready, on_captured = exc, plan_checkpoint([], self.cache.slab_size), None, None
             self._inflight = completer
@@ -238,9 +247,10 @@ class Runner:
             ctx = JobContext(
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )
-            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured)
+            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured, handle.stats)
+            # Counted before the job starts: it writes the blocked time into the manifest.
+            completer.blocked(time.perf_counter() - started)
             asyncio.run_coroutine_threadsafe(self._run(job, completer), self._loop)
-        completer.blocked(time.perf_counter() - started)
         return handle
 
     def _capture_check(self, plan: CheckpointPlan, completer: HandleCompleter) -> Callable[[], None]:
@@ -280,13 +290,21 @@ class Runner:
             path = await job.run()
         except BaseException as exc:  # report, never raise into training
             error = _first_leaf(exc)
-            log.error("checkpoint step %d failed: %s: %s", job.step, type(error).__name__, error)
             self.history.append((completer.handle, job.stats))
+            failure = f"{type(error).__name__}: {error}"
+            self._report(completer, "failed", "checkpoint step %d failed: %s", job.step, failure, error=error)
             completer.failed(error)
             if not isinstance(exc, Exception):
                 raise
             return
         self.history.append((completer.handle, job.stats))
+        stats = job.stats
+        self._report(
+            completer,
+            "durable",
+            "checkpoint step %d durable on %s: %d bytes in %.3f s (%.2f GB/s), trainer blocked %.1f ms",
+            job.step, self.durable_tier.name, stats.raw_bytes, stats.durable_s, stats.gbps, stats.blocked_s * 1e3,
+        )
         completer.durable(
             CheckpointResult(
                 step=job.step,
@@ -300,16 +318,37 @@ class Runner:
         )
         self._flusher.committed(completer)
 
+    def _report(
+        self,
+        completer: HandleCompleter,
+        outcome: Outcome,
+        message: str,
+        *args: object,
+        error: BaseException | None = None,
+    ) -> None:
+        """The one log record of a finished checkpoint, its stats attached as ``record.tierstate``
+        (with ``error`` for a failed one); counted in ``metrics()``. Called before the handle
+        resolves, so whoever it wakes sees both."""
+        stats = completer.handle.stats
+        stats.outcome = outcome
+        with self._metrics_lock:
+            self._metrics.add(stats)
+        record = stats.as_dict()
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
+        level = {"durable": logging.INFO, "skipped": logging.WARNING}.get(outcome, logging.ERROR)
+        log.log(level, message, *args, extra={"tierstate": record})
+
+    def metrics(self) -> RunMetrics:
+        """A summary of every checkpoint requested so far: counts by outcome, bytes, seconds and
+        GB/s to durable, blocked time, per-stage totals, and the newest checkpoint's stats."""
+        with self._metrics_lock:
+            return self._metrics.copy()
+
     def wait_captured(self) -> float:
         """Block until the pending checkpoint's tensors are copied out; returns the seconds blocked."""
         completer = self._inflight
-        if completer is None or completer.handle.wait_captured(0):
-            return 0.0
-        started = time.perf_counter()
-        completer.handle.wait_captured()
-        blocked = time.perf_counter() - started
-        completer.blocked(blocked)
-        return blocked
+        return 0.0 if completer is None else completer.wait_captured()
 
     def wait(self) -> None:
         """Block until the checkpoint in flight (if any) is durable or failed."""

@@ -100,7 +100,7 @@ def test_a_checkpoint_with_nothing_registered_raises_and_writes_nothing(
     runner = make_runner()
     with pytest.raises(NothingRegisteredError, match=r"checkpoint step 1: nothing is registered; call runner.register"):
         runner.checkpoint(1)
-    assert os.listdir(tmp_path / "nvme") == []
+    assert os.listdir(tmp_path / "nvme") == [] and runner.metrics().requested == 0
     runner.register(t=TensorDictProvider({"w": torch.ones(4)}))
     assert runner.checkpoint(1).result().step == 1  # the runner is unharmed
 

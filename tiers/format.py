@@ -33,6 +33,7 @@ MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes befo
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
 
 NonNegative = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Measure = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # seconds, GB/s
 
 
 class ManifestError(TierstateError, ValueError):
@@ -149,6 +150,38 @@ def stored_key(key: str, record: AnyRecord) -> str:
     return record.of if isinstance(record, AliasRecord) else key
 
 
+class StageStatsRecord(_Strict):
+    """One pipeline stage of one rank: units through it, bytes out of it, wall and busy seconds."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    units: NonNegative
+    bytes: NonNegative
+    seconds: Measure
+    busy_s: Measure
+    gbps: Measure
+    queue_peak: NonNegative
+    queue_bound: NonNegative
+
+
+class RankStatsRecord(_Strict):
+    """What writing one rank's part cost, as that rank measured it (see pipeline/metrics.py).
+
+    Informative only: a reader never trusts it for finding bytes, so it is not checked against the
+    data. Seconds count from the request; written just before the commit, so the commit is not in them.
+    """
+
+    raw_bytes: NonNegative
+    stored_bytes: NonNegative
+    chunks: NonNegative
+    capture_s: Measure
+    written_s: Measure
+    blocked_s: Measure
+    cache_wait_s: Measure
+    eager_tensors: NonNegative
+    eager_bytes: NonNegative
+    stages: list[StageStatsRecord]  # in chain order
+
+
 class Manifest(_Strict):
     format: Literal["tierstate"] = FORMAT_NAME
     version: int = 1  # the oldest format that can express it: single-rank manifests stay readable by v1
@@ -158,6 +191,8 @@ class Manifest(_Strict):
     files: dict[str, FileRecord]
     indexes: dict[str, str] = {}
     items: dict[str, ItemRecord]
+    # Optional, so manifests written before it (and by tools that measure nothing) stay valid.
+    stats: dict[Annotated[int, Field(ge=0)], RankStatsRecord] | None = None
 
     def item_nbytes(self, key: str) -> int:
         return self.record_nbytes(self.items[key])
