@@ -46,15 +46,18 @@ def check_tier_paths(config: PipelineConfig) -> None:
 
 def _writable_directory(name: str, path: Path) -> None:
     if not path.is_dir():
+        if path.exists() and not path.is_dir():  # checked twice: another rank may create it meanwhile
+            raise _error(errno.ENOTDIR, name, path, "is not a directory")
         existing = next(p for p in path.parents if p.exists())
-        if path.exists() or not existing.is_dir():
-            where = "" if path.exists() else f" (under {existing}, which is a file)"
-            raise _error(errno.ENOTDIR, name, path, f"is not a directory{where}")
+        if not existing.is_dir():
+            raise _error(errno.ENOTDIR, name, path, f"is not a directory (under {existing}, which is a file)")
         if existing == Path(existing.anchor):
             top = path.relative_to(existing).parts[0]
             raise _error(errno.ENOENT, name, path, f"cannot be created: {existing}{top} does not exist")
         try:
-            path.mkdir(parents=True, exist_ok=True)  # exist_ok: another rank may create it first
+            path.mkdir(parents=True, exist_ok=True)  # exist_ok: another rank may create it meanwhile
+        except FileExistsError as exc:  # a file created meanwhile
+            raise _error(errno.ENOTDIR, name, path, "is not a directory") from exc
         except OSError as exc:
             raise _error(exc.errno, name, path, f"cannot be created: {exc.strerror or exc}") from exc
     try:
