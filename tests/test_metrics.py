@@ -16,7 +16,7 @@ import torch
 from tierstate.pipeline.handle import CheckpointFailed, HandleCompleter
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.format import MANIFEST_NAME, ManifestError, checksum, read_manifest
+from tierstate.tiers.format import MANIFEST_NAME, ManifestError, checksum, manifest_bytes, read_manifest
 from tierstate.tiers.multirank import RankPart, merge_parts
 from tierstate.tiers.stats import show_stats
 
@@ -173,6 +173,7 @@ def test_manifests_without_stats_stay_valid_and_bad_stats_are_refused(make_runne
     path = runner.checkpoint(1).result().path
     _rewrite_manifest(path, lambda body: body.pop("stats"))
     assert read_manifest(path).stats is None
+    assert b'"stats"' not in manifest_bytes(read_manifest(path))  # rewritten (migrated) as it was
     runner.restore(1)  # an older manifest restores as before
     path = runner.checkpoint(2).result().path
     _rewrite_manifest(path, lambda body: body["stats"]["0"].update(capture_s=-1.0))

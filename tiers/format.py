@@ -18,7 +18,15 @@ from typing import Annotated, Any, Literal
 
 import msgpack
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from tierstate.errors import TierstateError
 
@@ -191,8 +199,18 @@ class Manifest(_Strict):
     files: dict[str, FileRecord]
     indexes: dict[str, str] = {}
     items: dict[str, ItemRecord]
-    # Optional, so manifests written before it (and by tools that measure nothing) stay valid.
+    # What writing each rank's part cost (informative, never used to read). Optional: manifests
+    # written before it, and by tools that measure nothing, stay valid.
     stats: dict[Annotated[int, Field(ge=0)], RankStatsRecord] | None = None
+
+    @model_serializer(mode="wrap")
+    def _unset_stats_left_out(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``stats`` is left out unless set, so a manifest without it (an older one, migrated or
+        converted) is written as it was, not with a ``"stats": null`` its writer would refuse."""
+        body: dict[str, Any] = dump(self)
+        if self.stats is None:
+            body.pop("stats", None)
+        return body
 
     def item_nbytes(self, key: str) -> int:
         return self.record_nbytes(self.items[key])
