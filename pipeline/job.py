@@ -124,7 +124,7 @@ class CheckpointJob:
 
     async def _put(self, queue: asyncio.Queue, name: str, unit: object) -> None:
         await queue.put(unit)
-        self.stats.stages[name].queued(queue.qsize())
+        self.stats.stages.setdefault(name, StageStats()).queued(queue.qsize())
 
     async def _feed(self, queue: asyncio.Queue, name: str) -> None:
         # Objects first: their (small) serialization then overlaps the bulk tensor copies.
@@ -143,7 +143,7 @@ class CheckpointJob:
         outbox: asyncio.Queue | None,
         out_name: str,
     ) -> None:
-        stage = self.stats.stages[name]
+        stage = self.stats.stages.setdefault(name, StageStats())  # _flow made it, unless driven alone
 
         async def worker() -> None:
             while True:
