@@ -20,6 +20,8 @@ runner's loop thread (or on the trainer's, for a checkpoint that never reached t
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 from tierstate.errors import TierstateError
 
 from .laziness import EagerSnapshot
+from .metrics import CheckpointStats
 
 T = TypeVar("T")
 
@@ -70,16 +73,13 @@ class CheckpointHandle:
         tiers: Mapping[str, concurrent.futures.Future[Path]],
     ) -> None:
         self.step = step
-        # Seconds the trainer spent in checkpoint() plus in the step pre-hook waiting for this capture.
-        # Kept here, not in the result: the pre-hook may still add to it after the result exists.
-        self.blocked_s = 0.0
+        # What this checkpoint cost (bytes, seconds and GB/s per stage, queue peaks, blocked time);
+        # filled in as it runs, final once done().
+        self.stats = CheckpointStats(step)
         self.skipped = False
         self.error: BaseException | None = None
         # Background flushes to slower tiers that failed (tier -> error); the checkpoint itself is fine.
         self.flush_errors: dict[str, BaseException] = {}
-        # The tensors copied on the trainer's thread before checkpoint() returned (they may change at
-        # any time, pipeline/laziness.py); their cost is part of blocked_s.
-        self.snapshot = EagerSnapshot(0, 0, ())
         self._capture = capture
         self._durable = durable
         self._tiers = MappingProxyType(dict(tiers))
@@ -92,6 +92,17 @@ class CheckpointHandle:
         else:
             state = "durable" if self._durable.done() else "in flight"
         return f"<CheckpointHandle step={self.step} {state}>"
+
+    @property
+    def blocked_s(self) -> float:
+        """Seconds the trainer spent in checkpoint() plus in the step pre-hook waiting for this capture."""
+        return self.stats.blocked_s
+
+    @property
+    def snapshot(self) -> EagerSnapshot:
+        """The tensors copied on the trainer's thread before checkpoint() returned (they may change at
+        any time, pipeline/laziness.py); their cost is part of ``blocked_s``."""
+        return self.stats.eager
 
     # --- the futures --------------------------------------------------------------------------
     @property
@@ -181,6 +192,10 @@ class HandleCompleter:
         self._durable: concurrent.futures.Future[CheckpointResult] = _running_future()
         self._tiers: dict[str, concurrent.futures.Future[Path]] = {name: _running_future() for name in tiers}
         self.handle = CheckpointHandle(step, self._capture, self._durable, self._tiers)
+        # Trainer threads waiting for the capture, by their start time (see wait_captured).
+        self._waiting: dict[object, float] = {}
+        self._waits_lock = threading.Lock()
+        self._capture.add_done_callback(self._count_waits)
 
     @property
     def step(self) -> int:
@@ -188,11 +203,35 @@ class HandleCompleter:
 
     def snapshotted(self, snapshot: EagerSnapshot) -> None:
         """What was copied on the trainer's thread before checkpoint() returned."""
-        self.handle.snapshot = snapshot
+        self.handle.stats.eager = snapshot
 
     def blocked(self, seconds: float) -> None:
-        """The trainer spent ``seconds`` more on this checkpoint (in checkpoint() or the step pre-hook)."""
-        self.handle.blocked_s += seconds
+        """The trainer spent ``seconds`` more on this checkpoint in checkpoint()."""
+        self.handle.stats.blocked_s += seconds
+
+    def wait_captured(self) -> float:
+        """Block the calling (trainer's) thread until the capture resolves; the seconds it waited.
+
+        The wait counts as blocked time by the moment the capture resolves, whichever thread gets
+        there first, so the stats the job writes into the manifest after the capture include it.
+        """
+        started = time.perf_counter()
+        token = object()
+        with self._waits_lock:
+            if self._capture.done():
+                return 0.0
+            self._waiting[token] = started
+        _wait(self._capture, None)
+        self._count_waits()
+        return time.perf_counter() - started
+
+    def _count_waits(self, _future: object = None) -> None:
+        """Add the waits of the threads still counted as waiting to the blocked time, as of now."""
+        now = time.perf_counter()
+        with self._waits_lock:
+            for started in self._waiting.values():
+                self.handle.stats.blocked_s += now - started
+            self._waiting.clear()
 
     def captured(self) -> None:
         _settle(self._capture, None)

@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,21 +24,11 @@ from ..tiers.objcodec import ObjectCodecError, encode_object
 from .capture import SlabCopier
 from .commit import Commit, TierCommit
 from .config import CompressStage, PersistStage, PipelineConfig
+from .metrics import CheckpointStats, StageStats
 from .persist import TierWriter
 from .plan import CheckpointPlan, ChunkPlan
 from .retry import storage_call
 from .units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
-
-
-@dataclass
-class JobStats:
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    chunks: int = 0
-    queue_peaks: dict[str, int] = field(default_factory=dict)
-    queue_bounds: dict[str, int] = field(default_factory=dict)
-    capture_s: float = 0.0
-    durable_s: float = 0.0
 
 
 @dataclass
@@ -63,13 +53,15 @@ class CheckpointJob:
         plan: CheckpointPlan,
         ready: torch.cuda.Event | None,
         on_captured: Callable[[], None],
+        stats: CheckpointStats,
     ) -> None:
+        """``stats``: the handle's, which this job fills in (the trainer's side is already there)."""
         self.ctx = ctx
         self.step = step
         self.plan = plan
         self.ready = ready
         self.on_captured = on_captured
-        self.stats = JobStats()
+        self.stats = stats
         self._held: set[Slab] = set()
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
@@ -89,6 +81,9 @@ class CheckpointJob:
             )
             await self._flow()
             manifest = await self._writer.finish()
+            self.stats.written_s = time.monotonic() - self._started
+            # What this rank's part cost, for `tierstate stats`: the commit itself is not in it.
+            manifest["stats"] = {str(self.ctx.rank): self.stats.manifest_body()}
             where = f"tier {tier.name}: committing {partial}"
             final = await storage_call(self.ctx.io, where, commit.commit, self.step, manifest)
         except BaseException as exc:
@@ -116,20 +111,20 @@ class CheckpointJob:
         bounds = [stage.queue if i == 0 else max(stage.queue, self.ctx.cache.slab_count)
                   for i, (_, stage) in enumerate(chain)]
         queues = [asyncio.Queue(maxsize=bound) for bound in bounds]
-        for (name, _stage), bound in zip(chain, bounds, strict=True):
-            self.stats.queue_bounds[name] = bound
+        for (name, _), bound in zip(chain, bounds, strict=True):
+            self.stats.stages[name] = StageStats(queue_bound=bound)
         workers = {"capture": self._capture, "serialize": self._serialize, "compress": self._compress}
         async with asyncio.TaskGroup() as group:
             group.create_task(self._feed(queues[0], chain[0][0]))
-            for i, (_name, stage) in enumerate(chain):
+            for i, (name, stage) in enumerate(chain):
                 fn = self._persist if stage.kind == "persist" else workers[stage.kind]
                 out = queues[i + 1] if i + 1 < len(queues) else None
                 out_name = chain[i + 1][0] if out is not None else ""
-                group.create_task(self._stage(stage.workers, fn, queues[i], out, out_name))
+                group.create_task(self._stage(name, stage.workers, fn, queues[i], out, out_name))
 
     async def _put(self, queue: asyncio.Queue, name: str, unit: object) -> None:
         await queue.put(unit)
-        self.stats.queue_peaks[name] = max(self.stats.queue_peaks.get(name, 0), queue.qsize())
+        self.stats.stages.setdefault(name, StageStats()).queued(queue.qsize())
 
     async def _feed(self, queue: asyncio.Queue, name: str) -> None:
         # Objects first: their (small) serialization then overlaps the bulk tensor copies.
@@ -141,19 +136,26 @@ class CheckpointJob:
 
     async def _stage(
         self,
+        name: str,
         workers: int,
         fn: Callable[[object], Awaitable[object]],
         inbox: asyncio.Queue,
         outbox: asyncio.Queue | None,
         out_name: str,
     ) -> None:
+        stage = self.stats.stages.setdefault(name, StageStats())  # _flow made it, unless driven alone
+
         async def worker() -> None:
             while True:
                 unit = await inbox.get()
                 if unit is DONE:
                     inbox.put_nowait(DONE)  # let this stage's other workers see the end too
                     return
+                started = time.monotonic()
                 result = await fn(unit)
+                out = unit if result is None else result  # persist puts out what it was given
+                nbytes = len(out.payload) if isinstance(out, Chunk) else 0
+                stage.unit_done(started, time.monotonic(), nbytes)
                 if outbox is not None:
                     await self._put(outbox, out_name, result)
 
@@ -176,7 +178,9 @@ class CheckpointJob:
         if isinstance(unit, ObjectBatch):
             return unit
         assert isinstance(unit, ChunkPlan)
+        asked = time.monotonic()
         slab = await self.ctx.cache.acquire()
+        self.stats.cache_wait_s += time.monotonic() - asked
         self._held.add(slab)
         chunk = await run_blocking(self.ctx.compute, self.ctx.copier.copy, unit, slab, self.ready)
         self._to_capture -= 1

@@ -19,28 +19,42 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from tierstate.errors import TierstateError
+
 from ..providers.dtensor import is_dtensor
 from ..providers.items import TensorItem
 
 log = logging.getLogger("tierstate")
 
 
-def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
-    """The torch optimizer inside a wrapper: accelerate's ``AcceleratedOptimizer`` keeps it as
-    ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``. Both wrappers pass an
-    isinstance check for ``torch.optim.Optimizer`` without having its hooks, so the inner optimizer
-    is looked for first."""
-    current = optimizer
+class AttachError(TierstateError, TypeError):
+    """``attach()`` was given something that is not a torch optimizer nor a wrapper of one."""
+
+
+def inner_optimizer(obj: object) -> torch.optim.Optimizer | None:
+    """The torch optimizer ``obj`` is or wraps, None if neither: accelerate's ``AcceleratedOptimizer``
+    keeps it as ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``. Both wrappers
+    pass an isinstance check for ``torch.optim.Optimizer`` without having its hooks, so the inner
+    optimizer is looked for first."""
+    current = obj
     for _ in range(8):  # wrappers of wrappers, bounded
         inner = getattr(current, "optimizer", None) or getattr(current, "_optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer) or inner is current:
             break
         current = inner
-    if not isinstance(current, torch.optim.Optimizer):
-        raise TypeError(
-            f"attach() expects a torch.optim.Optimizer (or a wrapper of one), got {type(optimizer).__name__}"
+    return current if isinstance(current, torch.optim.Optimizer) else None
+
+
+def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
+    """The torch optimizer to attach; TypeError saying what was given instead, and what to do with it."""
+    inner = inner_optimizer(optimizer)
+    if inner is None:
+        given = type(optimizer).__name__
+        hint = "; register the model with register(model=...)" if isinstance(optimizer, torch.nn.Module) else ""
+        raise AttachError(
+            f"attach() expects a torch.optim.Optimizer (or a wrapper of one, such as accelerate's), got {given}{hint}"
         )
-    return current
+    return inner
 
 
 def storage_of(tensor: torch.Tensor) -> int:

@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import numbers
 import os
 import threading
 import time
@@ -31,11 +32,11 @@ import torch
 
 from tierstate.errors import TierstateError
 
-from ..providers.base import StateProvider
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
 from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import MAX_BYTES
 from ..tiers.hostcache import HostCache
 from .capture import SlabCopier, record_ready_event
 from .config import PipelineConfig, load_config, parse_config
@@ -43,10 +44,13 @@ from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure, FlushRole
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
-from .job import CheckpointJob, JobContext, JobStats
+from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
+from .metrics import CheckpointStats, Outcome, RunMetrics
 from .plan import CheckpointPlan, plan_checkpoint
+from .registration import provider_for
 from .restore import RestoreResult, restore_into
+from .tierpaths import check_tier_paths
 
 log = logging.getLogger("tierstate")
 
@@ -57,6 +61,25 @@ class RunnerClosedError(TierstateError, RuntimeError):
 
 class CaptureChangedError(TierstateError, RuntimeError):
     """``policies.check_capture`` saw a lazily captured tensor change before its copy; names the keys."""
+
+
+class NothingRegisteredError(TierstateError, RuntimeError):
+    """A checkpoint was requested before anything was registered: it would hold nothing to restore."""
+
+
+class InvalidStepError(TierstateError, ValueError):
+    """A checkpoint step that is not a whole number from 0 to 2**50."""
+
+
+def _checked_step(step: object) -> int:
+    """``step`` as an int; InvalidStepError saying what was given instead (a tensor, -1, 1.5, True)."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and 0 <= int(step) <= MAX_BYTES:
+        return int(step)
+    if isinstance(step, torch.Tensor):
+        raise InvalidStepError(f"checkpoint step must be an int, got a tensor ({step!r}); pass int(step)")
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        raise InvalidStepError(f"checkpoint step must be from 0 to 2**50, got {int(step)}")
+    raise InvalidStepError(f"checkpoint step must be an int from 0 to 2**50, got {type(step).__name__} {step!r}")
 
 
 def _first_leaf(error: BaseException) -> BaseException:
@@ -81,6 +104,7 @@ class Runner:
         collective waits for the slowest rank before the checkpoint fails; ``history_size``: how many
         of the latest checkpoints ``history`` keeps (a long run must not keep them all)."""
         self.config = config
+        check_tier_paths(config)  # a bad tier path fails here, not at the first checkpoint
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
@@ -106,15 +130,21 @@ class Runner:
         self._lock = threading.Lock()
         self._closed = False
         self._owner_pid = os.getpid()
-        # The latest checkpoints that reached the pipeline, oldest first, with their stage statistics.
-        self.history: collections.deque[tuple[CheckpointHandle, JobStats]] = collections.deque(maxlen=history_size)
+        # The latest checkpoints that reached the pipeline, oldest first, with their stats (``handle.stats``).
+        self.history: collections.deque[tuple[CheckpointHandle, CheckpointStats]] = collections.deque(
+            maxlen=history_size
+        )
+        # Every checkpoint requested, summed (metrics()); added to from the trainer's and the loop's thread.
+        self._metrics = RunMetrics()
+        self._metrics_lock = threading.Lock()
         # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
         self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
         self.flush_failures: list[FlushFailure] = []
         # Not atexit.register: at interpreter exit the thread pools refuse new work before atexit
         # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
         # hooks run earlier, newest first, so this one runs before the pools shut down.
-        threading._register_atexit(_close_at_exit, weakref.ref(self))
+        # No public API runs a hook at that moment, hence threading's private one.
+        threading._register_atexit(_close_at_exit, weakref.ref(self))  # noqa: SLF001  # pyright: ignore[reportAttributeAccessIssue]
         _RUNNERS.add(self)
 
     @classmethod
@@ -140,8 +170,15 @@ class Runner:
         return cls(parse_config(data, overrides=overrides), rank=rank, **options)
 
     # --- wiring -------------------------------------------------------------------------------
-    def register(self, **providers: StateProvider) -> None:
-        """Add providers under their names; an :class:`OptimizerProvider` attaches its optimizer too."""
+    def register(self, **state: Any) -> None:
+        """Checkpoint each value under its name: ``register(model=model, optim=opt, sched=scheduler)``.
+
+        An ``nn.Module``, a torch optimizer and anything with ``state_dict()``/``load_state_dict()``
+        are wrapped in the provider that fits (pipeline/registration.py); a provider is taken as it
+        is. An optimizer, plain or in an :class:`OptimizerProvider`, is attached too (see ``attach``).
+        Nothing is registered if any value fits no provider.
+        """
+        providers = {name: provider_for(name, value) for name, value in state.items()}
         for name, provider in providers.items():
             self.providers.add(name, provider)
             if isinstance(provider, OptimizerProvider):
@@ -173,19 +210,30 @@ class Runner:
 
     # --- checkpoint ---------------------------------------------------------------------------
     def checkpoint(self, step: int) -> CheckpointHandle:
-        """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O."""
+        """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O.
+
+        Raises at once, before anything is written, for a closed runner, a ``step`` that is not a
+        whole number from 0 to 2**50, and a runner with nothing registered; any later failure is
+        reported on the handle and in the log, never raised here.
+        """
         started = time.perf_counter()
         if self._closed:
             raise RunnerClosedError(self._closed_reason())
+        step = _checked_step(step)
+        if not self.providers.children:
+            raise NothingRegisteredError(
+                f"checkpoint step {step}: nothing is registered; call runner.register(model=model, optim=opt) first"
+            )
         completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)])
         handle = completer.handle
         with self._lock:
             previous = self._inflight
             if previous is not None and not previous.handle.done():
                 if self.config.policies.in_flight == "skip":
-                    completer.skipped()
-                    log.warning("checkpoint step %d skipped: step %d still in flight", step, previous.step)
                     completer.blocked(time.perf_counter() - started)
+                    message = "checkpoint step %d skipped: step %d still in flight"
+                    self._report(completer, "skipped", message, step, previous.step)
+                    completer.skipped()
                     return handle
                 previous.handle.wait()
             declined = None
@@ -197,25 +245,31 @@ class Runner:
                 on_captured = self._capture_check(plan, completer) if self.config.policies.check_capture else None
                 ready = record_ready_event([item.tensor for item in plan.tensors])
             except Exception as exc:  # a provider bug must not stop training
-                log.error("checkpoint step %d failed while describing state: %s", step, exc)
                 if self._group is None:
-                    completer.failed(exc)
                     completer.blocked(time.perf_counter() - started)
+                    message = "checkpoint step %d failed while describing state: %s"
+                    self._report(completer, "failed", message, step, exc, error=exc)
+                    completer.failed(exc)
                     return handle
+                log.error("checkpoint step %d failed while describing state: %s", step, exc)
                 # The other ranks are opening this step: this one must take part, to decline it.
                 declined, plan, ready, on_captured = exc, plan_checkpoint([], self.cache.slab_size), None, None
                 copies = []
             self._inflight = completer
-            many = self._group is not None
             slab = self.cache.slab_size
             node_scoped = self.config.tiers[self.config.persist_tier].scope == "node"
-            commit = DistributedCommit(self._group, self.durable_tier, slab, declined, node_scoped) if many else None
+            commit = (
+                DistributedCommit(self._group, self.durable_tier, slab, declined, node_scoped)
+                if self._group is not None
+                else None
+            )
             ctx = JobContext(
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
             )
-            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured)
+            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured, handle.stats)
+            # Counted before the job starts: it writes the blocked time into the manifest.
+            completer.blocked(time.perf_counter() - started)
             asyncio.run_coroutine_threadsafe(self._run(job, completer, copies), self._loop)
-        completer.blocked(time.perf_counter() - started)
         return handle
 
     def _capture_check(self, plan: CheckpointPlan, completer: HandleCompleter) -> Callable[[], None]:
@@ -256,14 +310,22 @@ class Runner:
         except BaseException as exc:  # report, never raise into training
             release_copies(copies)
             error = _first_leaf(exc)
-            log.error("checkpoint step %d failed: %s: %s", job.step, type(error).__name__, error)
             self.history.append((completer.handle, job.stats))
+            failure = f"{type(error).__name__}: {error}"
+            self._report(completer, "failed", "checkpoint step %d failed: %s", job.step, failure, error=error)
             completer.failed(error)
             if not isinstance(exc, Exception):
                 raise
             return
         release_copies(copies)
         self.history.append((completer.handle, job.stats))
+        stats = job.stats
+        self._report(
+            completer,
+            "durable",
+            "checkpoint step %d durable on %s: %d bytes in %.3f s (%.2f GB/s), trainer blocked %.1f ms",
+            job.step, self.durable_tier.name, stats.raw_bytes, stats.durable_s, stats.gbps, stats.blocked_s * 1e3,
+        )
         completer.durable(
             CheckpointResult(
                 step=job.step,
@@ -277,16 +339,37 @@ class Runner:
         )
         self._flusher.committed(completer)
 
+    def _report(
+        self,
+        completer: HandleCompleter,
+        outcome: Outcome,
+        message: str,
+        *args: object,
+        error: BaseException | None = None,
+    ) -> None:
+        """The one log record of a finished checkpoint, its stats attached as ``record.tierstate``
+        (with ``error`` for a failed one); counted in ``metrics()``. Called before the handle
+        resolves, so whoever it wakes sees both."""
+        stats = completer.handle.stats
+        stats.outcome = outcome
+        with self._metrics_lock:
+            self._metrics.add(stats)
+        record = stats.as_dict()
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
+        level = {"durable": logging.INFO, "skipped": logging.WARNING}.get(outcome, logging.ERROR)
+        log.log(level, message, *args, extra={"tierstate": record})
+
+    def metrics(self) -> RunMetrics:
+        """A summary of every checkpoint requested so far: counts by outcome, bytes, seconds and
+        GB/s to durable, blocked time, per-stage totals, and the newest checkpoint's stats."""
+        with self._metrics_lock:
+            return self._metrics.copy()
+
     def wait_captured(self) -> float:
         """Block until the pending checkpoint's tensors are copied out; returns the seconds blocked."""
         completer = self._inflight
-        if completer is None or completer.handle.wait_captured(0):
-            return 0.0
-        started = time.perf_counter()
-        completer.handle.wait_captured()
-        blocked = time.perf_counter() - started
-        completer.blocked(blocked)
-        return blocked
+        return 0.0 if completer is None else completer.wait_captured()
 
     def wait(self) -> None:
         """Block until the checkpoint in flight (if any) is durable or failed."""
@@ -335,7 +418,7 @@ class Runner:
             )
         return "runner is closed"
 
-    def _disown(self) -> None:
+    def disown(self) -> None:
         """In a forked child: the loop thread, the pools and the checkpoint in flight stayed with the parent."""
         self._closed = True
         self._inflight = None
@@ -363,7 +446,7 @@ _RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
 
 def _disown_after_fork() -> None:
     for runner in list(_RUNNERS):
-        runner._disown()
+        runner.disown()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)

@@ -44,6 +44,7 @@ MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes befo
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
 
 NonNegative = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Measure = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # seconds, GB/s
 
 
 class ManifestError(TierstateError, ValueError):
@@ -180,6 +181,38 @@ class NodePart(_Strict):
     nodes: list[Annotated[str, Field(min_length=1)]]
 
 
+class StageStatsRecord(_Strict):
+    """One pipeline stage of one rank: units through it, bytes out of it, wall and busy seconds."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    units: NonNegative
+    bytes: NonNegative
+    seconds: Measure
+    busy_s: Measure
+    gbps: Measure
+    queue_peak: NonNegative
+    queue_bound: NonNegative
+
+
+class RankStatsRecord(_Strict):
+    """What writing one rank's part cost, as that rank measured it (see pipeline/metrics.py).
+
+    Informative only: a reader never trusts it for finding bytes, so it is not checked against the
+    data. Seconds count from the request; written just before the commit, so the commit is not in them.
+    """
+
+    raw_bytes: NonNegative
+    stored_bytes: NonNegative
+    chunks: NonNegative
+    capture_s: Measure
+    written_s: Measure
+    blocked_s: Measure
+    cache_wait_s: Measure
+    eager_tensors: NonNegative
+    eager_bytes: NonNegative
+    stages: list[StageStatsRecord]  # in chain order
+
+
 class Manifest(_Strict):
     format: Literal["tierstate"] = FORMAT_NAME
     version: int = 1  # the oldest format that can express it: single-rank manifests stay readable by v1
@@ -190,13 +223,19 @@ class Manifest(_Strict):
     indexes: dict[str, str] = {}
     items: dict[str, ItemRecord]
     node_part: NodePart | None = None
+    # What writing each rank's part cost (informative, never used to read). Optional: manifests
+    # written before it, and by tools that measure nothing, stay valid.
+    stats: dict[Annotated[int, Field(ge=0)], RankStatsRecord] | None = None
 
     @model_serializer(mode="wrap")
-    def _whole_checkpoints_as_before(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """``node_part`` is left out unless set, so a whole checkpoint's JSON is what older readers read."""
+    def _unset_optionals_left_out(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``node_part`` and ``stats`` are left out unless set, so a whole checkpoint's JSON (an older
+        one, migrated or converted) is written as it was, not with nulls older readers would refuse."""
         body: dict[str, Any] = dump(self)
         if self.node_part is None:
             body.pop("node_part", None)
+        if self.stats is None:
+            body.pop("stats", None)
         return body
 
     def item_nbytes(self, key: str) -> int:

@@ -49,7 +49,7 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
     ranks = sorted(part.rank for part in parts)
     if ranks != list(range(len(parts))):
         raise ManifestError(f"step {step}: parts from ranks {ranks}, expected one from each of 0..{len(parts) - 1}")
-    files, indexes = {}, {}
+    files, indexes, stats = {}, {}, {}
     placed: dict[str, dict[int, str]] = defaultdict(dict)
     plain: dict[str, AnyRecord] = {}
     shards: dict[str, list[TensorRecord]] = defaultdict(list)
@@ -60,6 +60,7 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
             raise ManifestError(f"step {step}: rank {part.rank} wrote file {sorted(clash)[0]}, already written")
         files |= part.manifest.files
         indexes |= part.manifest.indexes
+        stats |= part.manifest.stats or {}  # what each rank measured of its own part
         for key, record in part.manifest.items.items():
             if not isinstance(record, TensorRecord | ObjectRecord | AliasRecord):
                 raise ManifestError(
@@ -90,6 +91,7 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
         files=files,
         indexes=indexes,
         items={key: items[key] for key in sorted(items)},
+        stats=stats or None,
     )
 
 

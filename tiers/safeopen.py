@@ -55,7 +55,7 @@ class UnsafeFileError(TierstateError, OSError):
         self.path = path
         self.reason = reason
 
-    def __reduce__(self) -> tuple[type[UnsafeFileError], tuple[int, Path, str]]:
+    def __reduce__(self) -> tuple[type[UnsafeFileError], tuple[int | None, Path, str]]:
         return type(self), (self.errno, self.path, self.reason)
 
 

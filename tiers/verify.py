@@ -54,10 +54,6 @@ def frame_problem(fd: int, frame: FrameRecord) -> str | None:
     return None
 
 
-def _unreadable(exc: OSError) -> str:
-    return f"cannot read: {exc.strerror or exc}"
-
-
 def verify_directory(directory: Path, manifest: Manifest, progress: Progress | None = None) -> list[Problem]:
     """Every problem with the data files and indexes in ``directory`` against ``manifest``."""
     advance = progress or (lambda _n: None)
@@ -101,11 +97,13 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
 
 
 def _unreadable(exc: OSError) -> str:
-    """Why a file was not read: missing, or not a regular file (a planted symlink is never followed,
-    so no checksum of what it points to ever appears in a report)."""
+    """Why a file was not read: missing, not a regular file (a planted symlink is never followed, so no
+    checksum of what it points to ever appears in a report), or the storage's own error (EIO, ...)."""
     if isinstance(exc, UnsafeFileError):
         return exc.reason
-    return "missing"
+    if isinstance(exc, FileNotFoundError):
+        return "missing"
+    return f"cannot read: {exc.strerror or exc}"
 
 
 def _manifest_id(directory: Path) -> str:

@@ -311,9 +311,16 @@ def test_retention_never_deletes_the_last_good_copy(tmp_path: Path, caplog) -> N
     parent is a file): every flush fails, so nvme must keep them all; a failed checkpoint then
     must not count as the newest."""
     blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the pfs tier's parent directory should be")
     pfs = {"path": str(blocker / "pfs"), "flush": {"every": 1}}
-    trainer = Trainer(tmp_path, tiers__nvme__retention={"keep_last": 1}, tiers__pfs=pfs)
+
+    def block(_partial: Path | None) -> None:
+        """Tier paths are checked when the runner is built; the PFS's goes bad at the first checkpoint."""
+        if blocker.is_dir():
+            shutil.rmtree(blocker)
+            blocker.write_text("a file where the pfs tier's parent directory should be")
+
+    with faults.inject("begin", block):
+        trainer = Trainer(tmp_path, tiers__nvme__retention={"keep_last": 1}, tiers__pfs=pfs)
     try:
         handles = [trainer.step(step) for step in (2, 3)]
         assert all(h.result() for h in handles)

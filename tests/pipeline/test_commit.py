@@ -152,8 +152,9 @@ def test_same_step_twice_keeps_the_first(make_runner):
 
 def test_unwritable_tier_fails_the_checkpoint_not_the_trainer(make_runner, tmp_path):
     blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the tier directory should be")
-    runner = make_runner(tiers={"nvme": {"path": str(blocker)}})
+    runner = make_runner(tiers={"nvme": {"path": str(blocker)}})  # a bad path at build time fails there
+    blocker.rmdir()
+    blocker.write_text("a file where the tier directory should be")  # so it goes bad during the run
     runner.register(t=TensorDictProvider(_state()))
     handle = runner.checkpoint(1)
     handle.wait()

@@ -127,6 +127,7 @@ def test_replicated_state_is_written_once_and_spread_over_ranks(work):
     assert manifest.raw_bytes < 1.5 * model_bytes  # not twice: the model is most of this state
     sizes = [f.size for f in manifest.files.values()]
     assert max(sizes) < 0.7 * sum(sizes)
+    assert manifest.stats is not None and sorted(manifest.stats) == [0, 1]  # what each rank's part cost
     assert manifest.items["run/value"].kind == "object" and manifest.items["rng/torch"].kind == "per_rank"
     assert isinstance(manifest.items["shards/w"], ShardedRecord) and len(manifest.items["shards/w"].shards) == 2
 

@@ -87,7 +87,6 @@ def test_every_selects_the_steps_the_pfs_receives(make_runner, tmp_path):
 
 def test_a_failed_flush_is_reported_and_its_nvme_copy_kept(make_runner, tmp_path, caplog):
     blocker = tmp_path / "pfs-is-a-file"
-    blocker.write_text("not a directory")
     runner = make_runner(
         TIERED_YAML,
         tiers={
@@ -95,6 +94,8 @@ def test_a_failed_flush_is_reported_and_its_nvme_copy_kept(make_runner, tmp_path
             "pfs": {"path": str(blocker), "flush": {}},
         },
     )
+    blocker.rmdir()  # a tier path is checked when the runner is built: it goes bad during the run
+    blocker.write_text("not a directory")
     handles, _ = _train(runner, 3)
     assert all(h.result().tier == "nvme" for h in handles)  # training and its checkpoints are unaffected
     runner.close()

@@ -60,7 +60,7 @@ async def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_pat
     assert len(job.plan.chunks) == 3 and cache.slab_count == 2
     inbox, outbox = asyncio.Queue(), asyncio.Queue()
     await _fill(inbox, job.plan.chunks)
-    stage = asyncio.create_task(job._stage(1, job._capture, inbox, outbox, "serialize"))
+    stage = asyncio.create_task(job._stage("capture", 1, job._capture, inbox, outbox, "serialize"))
 
     first, second = await outbox.get(), await outbox.get()
     # The worker went straight on to the third chunk and is now waiting for a slab: nothing more comes out.
@@ -81,7 +81,7 @@ async def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on(tmp_pat
     tensor_chunk = Chunk(entries=[], raw=memoryview(b"raw tensor bytes"))
     inbox, outbox = asyncio.Queue(maxsize=4), asyncio.Queue()
     await _fill(inbox, [ObjectBatch(job.plan.objects), tensor_chunk])
-    await job._stage(2, job._serialize, inbox, outbox, "compress")
+    await job._stage("serialize", 2, job._serialize, inbox, outbox, "compress")
 
     out = [outbox.get_nowait() for _ in range(outbox.qsize())]
     assert out[-1] is DONE and DONE not in out[:-1]  # both workers stopped, one end marker passed on

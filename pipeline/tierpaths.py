@@ -1,0 +1,72 @@
+"""Tier directories checked when the runner is built, so a bad path fails before training starts.
+
+Without this, a tier path that is a file, cannot be created or is read-only shows up at the first
+checkpoint (or the first flush), possibly hours into a run, as a log line. The rule, for each tier
+the runner writes (the persist tier, a tier with ``flush``, a tier whose ``retention`` deletes):
+
+* an existing directory must take a new file (tried for real: permission bits do not stop root, a
+  read-only mount does);
+* a missing directory is created, with its missing parents (``./checkpoints/nvme`` on a fresh
+  machine, ``/scratch/me/run7/nvme``), when the nearest existing one is a writable directory; but
+  never at the top of the file system: ``/lustre/run7`` with ``/lustre`` absent is an unmounted
+  file system or a typo, and creating it would put the checkpoints on the wrong disk;
+* a path that is a file, or under one, is an error.
+
+A tier the runner only reads (restore from a read-only archive) need not be writable nor exist,
+but must not be a file. Every error is a :class:`TierError` naming the tier and the path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+from ..tiers.filesystem import TierError
+from .config import PipelineConfig
+
+
+def written_tiers(config: PipelineConfig) -> set[str]:
+    """The tiers this runner's checkpoints, flushes or retention write to."""
+    written = {config.persist_tier}
+    written |= {name for name, tier in config.tiers.items() if tier.flush is not None or tier.retention.active}
+    return written
+
+
+def check_tier_paths(config: PipelineConfig) -> None:
+    """Create what is missing and refuse what cannot work, by the rule of the module docstring."""
+    written = written_tiers(config)
+    for name, tier in config.tiers.items():
+        if name in written:
+            _writable_directory(name, tier.path)
+        elif tier.path.exists() and not tier.path.is_dir():
+            raise _error(errno.ENOTDIR, name, tier.path, "is not a directory")
+
+
+def _writable_directory(name: str, path: Path) -> None:
+    if not path.is_dir():
+        if path.exists() and not path.is_dir():  # checked twice: another rank may create it meanwhile
+            raise _error(errno.ENOTDIR, name, path, "is not a directory")
+        existing = next(p for p in path.parents if p.exists())
+        if not existing.is_dir():
+            raise _error(errno.ENOTDIR, name, path, f"is not a directory (under {existing}, which is a file)")
+        if existing == Path(existing.anchor):
+            top = path.relative_to(existing).parts[0]
+            raise _error(errno.ENOENT, name, path, f"cannot be created: {existing}{top} does not exist")
+        try:
+            path.mkdir(parents=True, exist_ok=True)  # exist_ok: another rank may create it meanwhile
+        except FileExistsError as exc:  # a file created meanwhile
+            raise _error(errno.ENOTDIR, name, path, "is not a directory") from exc
+        except OSError as exc:
+            raise _error(exc.errno, name, path, f"cannot be created: {exc.strerror or exc}") from exc
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".tierstate-probe-", dir=path)
+    except OSError as exc:
+        raise _error(exc.errno, name, path, f"is not writable: {exc.strerror or exc}") from exc
+    os.close(handle)
+    os.unlink(probe)
+
+
+def _error(code: int | None, name: str, path: Path, problem: str) -> TierError:
+    return TierError(code or errno.EIO, f"tier {name}: {path} {problem}")

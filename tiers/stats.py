@@ -1,0 +1,77 @@
+"""``tierstate stats PATH``: what a checkpoint cost, read from its manifest.
+
+The runner records, per rank, what writing its part cost (pipeline/metrics.py) in the manifest's
+``stats`` just before the commit: bytes, seconds from the request to capture and to the files
+fsynced, the trainer's blocked time, the wait for host-cache slabs, and per stage its units, bytes,
+wall and busy seconds, GB/s and queue peak. This prints it, long after the run, from the files
+alone. A checkpoint written before stats were recorded has none, which is said, not an error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .format import Manifest, RankStatsRecord, read_manifest
+
+_COLUMNS = ("stage", "units", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
+
+
+def stats_document(manifest: Manifest) -> dict[str, Any]:
+    """The manifest's stats as JSON: ``{"step", "ranks": {rank: record} | None}``."""
+    ranks = None if manifest.stats is None else {rank: s.model_dump() for rank, s in sorted(manifest.stats.items())}
+    return {"step": manifest.step, "ranks": ranks}
+
+
+def stats_lines(manifest: Manifest) -> list[str]:
+    """Plain lines: a summary per rank, then a row per stage in padded columns."""
+    head = f"step {manifest.step}: {manifest.raw_bytes:,} bytes raw, {manifest.stored_bytes:,} bytes in its files"
+    if manifest.stats is None:
+        return [head, "no stats recorded (written before tierstate recorded them)"]
+    lines = [head]
+    for rank, record in sorted(manifest.stats.items()):
+        lines += _rank_lines(rank, record)
+    return lines
+
+
+def _rank_lines(rank: int, record: RankStatsRecord) -> list[str]:
+    eager = (
+        f", {record.eager_tensors} tensors ({record.eager_bytes:,} bytes) copied before checkpoint() returned"
+        if record.eager_tensors
+        else ""
+    )
+    summary = [
+        f"rank {rank}: {record.raw_bytes:,} bytes in {record.chunks} chunks, {record.stored_bytes:,} stored",
+        f"  captured after {record.capture_s:.3f} s, written after {record.written_s:.3f} s "
+        f"({_gbps(record.raw_bytes, record.written_s)} GB/s)",
+        f"  trainer blocked {record.blocked_s * 1e3:.1f} ms{eager}; capture waited {record.cache_wait_s:.3f} s "
+        "for host-cache slabs",
+    ]
+    rows = [
+        (s.name, str(s.units), f"{s.bytes:,}", f"{s.seconds:.3f}", f"{s.busy_s:.3f}", f"{s.gbps:.2f}",
+         f"{s.queue_peak}/{s.queue_bound}")
+        for s in record.stages
+    ]  # fmt: skip
+    return summary + ["  " + line for line in _columns(rows)]
+
+
+def _gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Padded columns, numbers right-aligned; every row whole on its line (for grep and awk)."""
+    widths = [max(len(cell) for cell in cells) for cells in zip(_COLUMNS, *rows, strict=True)]
+    lines = []
+    for row in (_COLUMNS, *rows):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    return lines
+
+
+def show_stats(directory: Path, as_json: bool) -> int:
+    """Print what the checkpoint in ``directory`` cost; exit code 0 (ManifestError if it is no checkpoint)."""
+    manifest = read_manifest(directory)
+    print(json.dumps(stats_document(manifest), indent=1) if as_json else "\n".join(stats_lines(manifest)))
+    return 0
