@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = command("inspect", "show a checkpoint's manifest as a table", [common])
     i.add_argument("target", help="a checkpoint directory, or a step number found on the tiers")
 
+    s = command("stats", "what a checkpoint cost: bytes, seconds, GB/s per stage", [common])
+    s.add_argument("target", help="a checkpoint directory, or a step number found on the tiers")
+
     m = command("migrate", "copy (or --move) committed checkpoints to another tier, verified", [common])
     m.add_argument("step", nargs="?", type=_step, help="the step to migrate (or --all)")
     m.add_argument("--all", action="store_true", help="every committed step of the --from tier")

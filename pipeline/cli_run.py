@@ -34,6 +34,7 @@ from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import TierPolicies
+from ..tiers.stats import show_stats
 from .config import ConfigError, TierConfig, load_config, packaged_config, packaged_configs, parse_tiers
 
 # Errors that mean the request itself is wrong: printed without a traceback, exit code 2.
@@ -151,16 +152,24 @@ def _ls(args: argparse.Namespace) -> int:
     return commands.list_checkpoints(tiers, args.json)
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    """``inspect`` takes a checkpoint directory (no tiers needed), or a step found on the tiers."""
+def _checkpoint_dir(args: argparse.Namespace) -> Path:
+    """``args.target``: a checkpoint directory (no tiers needed), or a step found on the tiers."""
     target = args.target
     if not target.isdigit():
         if not Path(target).is_dir():
             raise UsageError(f"{target}: no such checkpoint directory (or give a step number)")
-        return commands.inspect_checkpoint(Path(target), args.json)
+        return Path(target)
     tiers = [p.tier for p in _tiers(args)]
     _must_exist(tiers)
-    return commands.inspect_checkpoint(commands.step_dir(tiers, int(target)), args.json)
+    return commands.step_dir(tiers, int(target))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    return commands.inspect_checkpoint(_checkpoint_dir(args), args.json)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    return show_stats(_checkpoint_dir(args), args.json)
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -229,6 +238,7 @@ def _init(args: argparse.Namespace) -> int:
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": _ls,
     "inspect": _inspect,
+    "stats": _stats,
     "migrate": _migrate,
     "verify": _verify,
     "prune": _prune,

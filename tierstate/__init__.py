@@ -20,8 +20,17 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
     from tierstate.pipeline.distributed import CheckpointAborted
     from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
+    from tierstate.pipeline.laziness import AttachError
+    from tierstate.pipeline.metrics import CheckpointStats, RunMetrics
+    from tierstate.pipeline.registration import RegistrationError
     from tierstate.pipeline.restore import NoCheckpointError, NothingToRestoreError, RestoreResult
-    from tierstate.pipeline.runner import CaptureChangedError, Runner, RunnerClosedError
+    from tierstate.pipeline.runner import (
+        CaptureChangedError,
+        InvalidStepError,
+        NothingRegisteredError,
+        Runner,
+        RunnerClosedError,
+    )
     from tierstate.providers import (
         ChildRestoreError,
         CompositeProvider,
@@ -54,8 +63,13 @@ _HOMES = {
     "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config"),
     "tierstate.pipeline.distributed": ("CheckpointAborted",),
     "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
+    "tierstate.pipeline.laziness": ("AttachError",),
+    "tierstate.pipeline.metrics": ("CheckpointStats", "RunMetrics"),
+    "tierstate.pipeline.registration": ("RegistrationError",),
     "tierstate.pipeline.restore": ("NoCheckpointError", "NothingToRestoreError", "RestoreResult"),
-    "tierstate.pipeline.runner": ("CaptureChangedError", "Runner", "RunnerClosedError"),
+    "tierstate.pipeline.runner": (
+        "CaptureChangedError", "InvalidStepError", "NothingRegisteredError", "Runner", "RunnerClosedError",
+    ),
     "tierstate.providers": (
         "ChildRestoreError", "CompositeProvider", "ModuleProvider", "ObjectItem", "ObjectProvider",
         "OptimizerProvider", "RestoreError", "RNGProvider", "ShardInfo", "StatefulProvider", "StateProvider",
@@ -96,12 +110,14 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AttachError",
     "CaptureChangedError",
     "CheckpointAborted",
     "CheckpointExistsError",
     "CheckpointFailed",
     "CheckpointHandle",
     "CheckpointResult",
+    "CheckpointStats",
     "ChildRestoreError",
     "CodecError",
     "CompositeProvider",
@@ -109,11 +125,13 @@ __all__ = [
     "CorruptCheckpointError",
     "Hdf5LayoutError",
     "InUseError",
+    "InvalidStepError",
     "ManifestError",
     "MigrateError",
     "MissingItemError",
     "ModuleProvider",
     "NoCheckpointError",
+    "NothingRegisteredError",
     "NothingToRestoreError",
     "ObjectCodecError",
     "ObjectItem",
@@ -122,8 +140,10 @@ __all__ = [
     "PipelineConfig",
     "RNGProvider",
     "ReadTooLargeError",
+    "RegistrationError",
     "RestoreError",
     "RestoreResult",
+    "RunMetrics",
     "Runner",
     "RunnerClosedError",
     "ShardInfo",

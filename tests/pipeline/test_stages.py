@@ -19,6 +19,7 @@ import torch
 from tierstate.pipeline.capture import SlabCopier
 from tierstate.pipeline.config import parse_config
 from tierstate.pipeline.job import CheckpointJob, JobContext
+from tierstate.pipeline.metrics import CheckpointStats
 from tierstate.pipeline.plan import ChunkPlan, plan_checkpoint
 from tierstate.pipeline.units import DONE, Chunk, ObjectBatch, run_blocking
 from tierstate.providers import ObjectItem, TensorItem
@@ -45,7 +46,7 @@ def _job(tmp_path: Path, pools, items: list, cache_slabs: int = 2) -> tuple[Chec
     cache = HostCache(config.host_cache.size, MiB, pinned=False)
     compute, io = pools
     ctx = JobContext(config, cache, FilesystemTier("nvme", tmp_path), compute, io, SlabCopier())
-    return CheckpointJob(ctx, 1, plan_checkpoint(items, MiB), None, lambda: None), cache
+    return CheckpointJob(ctx, 1, plan_checkpoint(items, MiB), None, lambda: None, CheckpointStats(1)), cache
 
 
 async def _fill(queue: asyncio.Queue, units: list) -> None:
