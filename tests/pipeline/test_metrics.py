@@ -208,7 +208,7 @@ def test_a_merged_multi_rank_manifest_keeps_every_rank_stats(tmp_path: Path) -> 
     parts = []
     for rank in (0, 1):
         tiers = {"nvme": {"path": str(tmp_path / f"rank{rank}")}, "pfs": {"path": str(tmp_path / "pfs")}}
-        with Runner.from_yaml(Path(__file__).parents[1] / "configs" / "default.yaml", {"tiers": tiers}, rank=rank) as r:
+        with Runner.from_yaml(Path(__file__).parents[2] / "configs" / "default.yaml", {"tiers": tiers}, rank=rank) as r:
             r.register(t=TensorDictProvider(_tensors(rank + 1)))
             manifest = read_manifest(r.checkpoint(1).result().path)
         parts.append(RankPart(rank, manifest, frozenset()))
