@@ -56,6 +56,13 @@ def _cli(capsys: pytest.CaptureFixture[str], root: Path, *args: str) -> tuple[in
     return code, captured.out + captured.err
 
 
+def _listed(capsys: pytest.CaptureFixture[str], root: Path) -> list[dict]:
+    """``tierstate ls --json`` on ``root``'s tiers: the parsed document on stdout (notes go to stderr)."""
+    capsys.readouterr()
+    assert cli.main(["ls", "--json", *_tier_options(root)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def _untouched(outside: Path) -> bool:
     return sorted(p.name for p in outside.iterdir()) == ["precious"] and (outside / "precious").read_bytes() == PRECIOUS
 
@@ -134,9 +141,8 @@ def test_symlinked_checkpoint_files_are_never_read(tmp_path: Path, outside: Path
     code, out = _cli(capsys, tmp_path, "verify")
     assert code == 1 and f"{name}: is a symlink" in out, out
     assert xxhash.xxh3_64_hexdigest(planted.read_bytes()) not in out and "checksum mismatch" not in out, out
-    code, out = _cli(capsys, tmp_path, "ls", "--json")
-    listed = {entry["step"]: entry for entry in json.loads(out)}
-    assert listed[2]["state"] == ("invalid" if name == MANIFEST_NAME else "committed"), listed[2]
+    listed = {entry["step"]: entry for entry in _listed(capsys, tmp_path)}
+    assert listed[2]["state"] == ("invalid" if name == MANIFEST_NAME else "damaged"), listed[2]  # as verify found it
 
     with trainer(tmp_path) as (runner, state):
         if name == INDEX:  # a restore reads no index; it restores step 2 from the data file
@@ -190,8 +196,7 @@ def test_gc_leaves_symlinks_named_like_checkpoints_alone(tmp_path: Path, outside
         assert f"nvme {name}: invalid, kept: {name}: is a symlink, not a directory; never followed" in out, out
         assert (nvme.root / name).is_symlink()
     assert "rmtree" not in out and _untouched(outside)
-    code, out = _cli(capsys, tmp_path, "ls", "--json")
-    assert [(e["step"], e["state"]) for e in json.loads(out)] == [
+    assert [(e["step"], e["state"]) for e in _listed(capsys, tmp_path)] == [
         (1, "committed"), (7, "invalid"), ("step-8.deleting", "invalid"), ("step-9.partial", "invalid")
     ]  # fmt: skip
     tally("gc_symlinks", faults=3, losses=0)
@@ -204,9 +209,8 @@ def test_a_lost_manifest_is_named_everywhere_and_kept(tmp_path: Path, capsys) ->
     nvme = tiers_of(tmp_path)[0]
     (nvme.step_dir(2) / MANIFEST_NAME).unlink()
 
-    code, out = _cli(capsys, tmp_path, "ls", "--json")
-    entries = {e["step"]: e for e in json.loads(out)}
-    assert code == 0 and entries[2]["state"] == "invalid" and "manifest.json: missing" in entries[2]["error"]
+    entries = {e["step"]: e for e in _listed(capsys, tmp_path)}
+    assert entries[2]["state"] == "invalid" and "manifest.json: missing" in entries[2]["error"]
     code, out = _cli(capsys, tmp_path, "verify")
     assert code == 1 and "nvme step 1: ok" in out and "nvme step 2: FAILED\n  manifest.json: missing" in out, out
     code, out = _cli(capsys, tmp_path, "gc", "--older-than", "0")

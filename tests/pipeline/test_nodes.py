@@ -84,8 +84,8 @@ def test_each_node_commits_its_own_part_on_its_own_nvme(trained):
         tier = nvme(trained, node)
         assert tier.steps() == [2, 4]
         assert sorted(p.name for p in tier.step_dir(4).iterdir()) == [
-            "manifest.json", f"rank-0000{rank}.data", f"rank-0000{rank}.index",
-        ]  # fmt: skip
+            "manifest.json", f"rank-0000{rank}.data", f"rank-0000{rank}.index", "received-pfs.json",
+        ]  # fmt: skip  (the receipt: the PFS holds this node's part)
         part = tier.manifest(4)
         assert part.node_part is not None
         assert (part.node_part.node, part.node_part.ranks, part.node_part.nodes) == (node, [rank], ["n0", "n1"])
