@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 
 from conftest import REPO
 
@@ -25,6 +27,8 @@ SHARD_SHAPED = ("exp_avg", "exp_avg_sq")  # AdamW state shaped like its paramete
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo"),
+    # torch 2.5 (the stated minimum) has FSDP2 only under torch.distributed._composable, and only on CUDA
+    pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 on a CPU needs torch 2.6+"),
 ]
 
 
