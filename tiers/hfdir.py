@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from tierstate.errors import TierstateError
 
 from .dtypes import dtype_from_name
-from .export import SAFETENSORS_NATIVE, ExportReport, Progress, item_bytes, select, written_whole
+from .export import SAFETENSORS_NATIVE, ExportReport, Progress, Selection, item_bytes, select, written_whole
 from .format import Manifest, ObjectRecord, TensorRecord
 
 WEIGHTS_NAME = "model.safetensors"
@@ -73,15 +73,16 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _refuse_what_hf_cannot_hold(records: dict[str, TensorRecord | ObjectRecord], prefix: str) -> None:
-    objects = [key for key, record in records.items() if isinstance(record, ObjectRecord)]
+def _refuse_what_hf_cannot_hold(selection: Selection) -> None:
+    records = selection.records
+    objects = [selection.name(key) for key, record in records.items() if isinstance(record, ObjectRecord)]
     if objects:
         raise HfExportError(
-            f"provider {prefix.rstrip('/')!r} holds objects ({', '.join(objects[:4])}): "
+            f"provider {selection.prefix.rstrip('/')!r} holds objects ({', '.join(objects[:4])}): "
             "a Hugging Face weights file holds tensors only"
         )
     foreign = [
-        f"{key} ({record.dtype})"
+        f"{selection.name(key)} ({record.dtype})"
         for key, record in records.items()
         if isinstance(record, TensorRecord) and dtype_from_name(record.dtype) not in SAFETENSORS_NATIVE
     ]
@@ -100,7 +101,7 @@ def export_hf(
     """Write ``provider``'s tensors of the checkpoint in ``directory`` as the weights of the model directory ``out``."""
     selection = select(manifest, provider)
     records = selection.records
-    _refuse_what_hf_cannot_hold(records, selection.prefix)
+    _refuse_what_hf_cannot_hold(selection)
     sizes = {key: selection.view.record_nbytes(record) for key, record in records.items()}
     shards = plan_shards(sizes, max_shard_size)
     names = _shard_names(len(shards))

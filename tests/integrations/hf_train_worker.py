@@ -36,7 +36,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class HoldOnceDurable(TrainerCallback):
-    """The test's hook: after step ``hold_at``, announce that checkpoint ``durable`` is on disk, then wait to be killed."""
+    """The test's hook: after step ``hold_at``, say that checkpoint ``durable`` is on disk, then wait to be killed."""
 
     def __init__(self, tierstate: TierstateCallback, hold_at: int, durable: int) -> None:
         self.tierstate, self.hold_at, self.durable = tierstate, hold_at, durable
@@ -61,8 +61,10 @@ def main() -> None:
     options = parser.parse_args()
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
-    tierstate = TierstateCallback({"tiers": {"nvme": {"path": options.tiers}}, "host_cache": {"size": "64MiB"}}, every=4)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    tiers = {"tiers": {"nvme": {"path": options.tiers}}, "host_cache": {"size": "64MiB"}}
+    tierstate = TierstateCallback(tiers, every=4)
     callbacks: list[TrainerCallback] = [tierstate]
     if options.hold_at is not None:
         callbacks.append(HoldOnceDurable(tierstate, options.hold_at, options.durable))
