@@ -133,7 +133,8 @@ class TierstateCallback(TrainerCallback):
         self._registered, self._pending = False, None
         try:
             newest = None
-            if resume_from_checkpoint is None and kwargs.get("trial") is None:
+            trial = args[0] if args else kwargs.get("trial")
+            if resume_from_checkpoint is None and trial is None:  # a search's trials start afresh, as in HF
                 newest = _newest_trainer_state(self.runner)
             if newest is None:
                 return train(resume_from_checkpoint or None, *args, **kwargs)
@@ -151,24 +152,31 @@ class TierstateCallback(TrainerCallback):
         trainer = self._trainer
         assert trainer is not None
 
-        def restore_all(*_: Any) -> None:  # the optimizer and scheduler exist from here on
+        def restore_all() -> None:  # the optimizer and scheduler exist from here on
             self._register(trainer)
             assert self.runner is not None
             self.runner.restore(step)
 
-        ours: dict[str, Callable[..., None]] = {
-            "_load_from_checkpoint": lambda *_: None,  # weights are restored with the optimizer, before any forward
+        ours: dict[str, Callable[[], None]] = {
+            "_load_from_checkpoint": lambda: None,  # weights are restored with the optimizer, before any forward
             "_load_optimizer_and_scheduler": restore_all,
-            "_load_scaler": lambda *_: None,  # restored with the optimizer
-            "_load_rng_state": lambda *_: self._rng.apply(),
+            "_load_scaler": lambda: None,  # restored with the optimizer
+            "_load_rng_state": self._rng.apply,
         }
         for name, load in ours.items():
             original = getattr(trainer, name)
 
             def redirected(
-                checkpoint: str | None, *args: Any, _load: Callable[..., None] = load, _original: Any = original
+                checkpoint: str | None,
+                *args: Any,
+                _load: Callable[[], None] = load,
+                _original: Callable[..., None] = original,
+                **kwargs: Any,
             ) -> None:
-                (_load if checkpoint == marker else _original)(checkpoint, *args)
+                if checkpoint == marker:
+                    _load()
+                else:
+                    _original(checkpoint, *args, **kwargs)
 
             setattr(trainer, name, redirected)
         try:
