@@ -21,6 +21,7 @@ write are removed, as ``save_pretrained`` removes stale shards, so the directory
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,7 +103,7 @@ def export_hf(
     selection = select(manifest, provider)
     records = selection.records
     _refuse_what_hf_cannot_hold(selection)
-    sizes = {key: selection.view.record_nbytes(record) for key, record in records.items()}
+    sizes = {key: _nbytes(record) for key, record in records.items() if isinstance(record, TensorRecord)}
     shards = plan_shards(sizes, max_shard_size)
     names = _shard_names(len(shards))
     stale = set(weight_files(out)) - {out / name for name in names}
@@ -120,6 +121,11 @@ def export_hf(
     for path in stale:
         path.unlink(missing_ok=True)
     return ExportReport(manifest.step, "hf", out, len(records), sum(sizes.values()))
+
+
+def _nbytes(record: TensorRecord) -> int:
+    """The tensor's bytes, from its dtype and (global) shape: a sharded one's record has no pieces of its own."""
+    return math.prod(record.shape) * dtype_from_name(record.dtype).itemsize
 
 
 def _tensors(

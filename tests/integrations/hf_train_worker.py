@@ -2,7 +2,8 @@
 
 ``python hf_train_worker.py TIERS OUT [--hold-at STEP --durable STEP]``: trains a tiny GPT-2 (no
 download) for 2 epochs of 6 steps, with dropout and shuffled batches, checkpointing every 4 steps to
-the tier directory TIERS; writes the log history and the final weights to OUT (torch.save).
+the tier directory TIERS; writes the log history and the final weights to OUT (torch.save), the
+model's ``config.json`` beside it.
 With ``--hold-at H --durable D``, once step H is done it waits for checkpoint D to be durable, prints
 ``durable D`` and blocks on stdin: the test kills it there (SIGKILL), then runs it again.
 """
@@ -85,6 +86,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train()
     torch.save({"log": trainer.state.log_history, "weights": model.state_dict()}, options.out)
+    config.to_json_file(os.path.join(os.path.dirname(options.out), "config.json"))  # for from_pretrained
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,15 @@ def test_a_trainer_killed_mid_run_resumes_from_the_tiers_with_the_uninterrupted_
     steps = sorted(int(p.name.removeprefix("step-")) for p in (killed / "tiers").glob("step-*"))
     assert steps == [4, 8, 12]
 
+    # The Trainer's last checkpoint as a model directory: from_pretrained gets the trained weights.
+    model_dir = tmp_path / "gpt2"
+    assert _export(killed / "tiers", model_dir, "--provider", "model", step=12) == 0
+    shutil.copy(killed / "config.json", model_dir)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    for key, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected["weights"][key]), key
+
 
 def _trainer(tmp_path: Path, callbacks: list) -> transformers.Trainer:
     ids = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(1))
@@ -139,8 +149,8 @@ def trained(tmp_path) -> tuple[transformers.GPT2LMHeadModel, Path]:
     return model, tmp_path / "tiers"
 
 
-def _export(tiers: Path, out: Path, *options: str) -> int:
-    return cli(["export", "1", str(out), "--format", "hf", "--tier", f"nvme={tiers}", *options])
+def _export(tiers: Path, out: Path, *options: str, step: int = 1) -> int:
+    return cli(["export", str(step), str(out), "--format", "hf", "--tier", f"nvme={tiers}", *options])
 
 
 def _files(directory: Path) -> dict[str, torch.Tensor]:
