@@ -46,8 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import ExportableState
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, trainer_callback
 from typing_extensions import override
 
 from tierstate.errors import TierstateError
@@ -62,6 +61,9 @@ TRAINER_STATE_NAME = "trainer_state.json"  # the file HF's resume path reads the
 TRAINER_STATE_KEY = "trainer/value"  # the checkpoint item holding that file's text
 
 Config = str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig | None
+
+# Callbacks whose state the Trainer checkpoints (EarlyStoppingCallback, TrainerControl); older transformers have none.
+STATEFUL_CALLBACK: type | tuple[()] = getattr(trainer_callback, "ExportableState", ())
 
 
 class TrainerIntegrationError(TierstateError, RuntimeError):
@@ -279,7 +281,7 @@ def _state_json(trainer: Trainer) -> str:
     document = dataclasses.asdict(trainer.state)
     states: dict[str, list[Any]] = {}
     for callback in [*trainer.callback_handler.callbacks, trainer.control]:
-        if isinstance(callback, ExportableState):
+        if isinstance(callback, STATEFUL_CALLBACK):
             states.setdefault(type(callback).__name__, []).append(callback.state())
     document["stateful_callbacks"] = {name: each[0] if len(each) == 1 else each for name, each in states.items()}
     return json.dumps(document, indent=2, sort_keys=True) + "\n"
