@@ -79,10 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     only(g)
 
-    e = command("export", "write one checkpoint as a single HDF5 or safetensors file", [common])
+    e = command("export", "write one checkpoint as an HDF5 or safetensors file, or Hugging Face weights", [common])
     e.add_argument("step", type=_step, help="the step to export")
-    e.add_argument("out", help="the file to write")
-    e.add_argument("--format", required=True, help="hdf5 or safetensors")
+    e.add_argument("out", help="the file to write (hf: the model directory)")
+    e.add_argument("--format", required=True, help="hdf5, safetensors or hf (a Hugging Face model directory)")
+    e.add_argument("--provider", metavar="NAME", help="export this provider's items only, named without NAME/")
+    e.add_argument("--max-shard-size", metavar="SIZE", help="hf: the largest weights file, e.g. 5GB (default 50GB)")
     e.add_argument("--from", dest="source", metavar="TIER", help="read this tier's copy (default: fastest good one)")
     e.add_argument("--force", action="store_true", help="replace the file if it exists")
 

@@ -32,6 +32,7 @@ from ..tiers.convert import Format
 from ..tiers.export import ExportFormat
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
+from ..tiers.hfdir import MAX_SHARD_SIZE
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import TierPolicies
 from ..tiers.stats import show_stats
@@ -216,9 +217,12 @@ def _gc(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     fmt = _choice(args.format, get_args(ExportFormat), "--format")
     assert fmt is not None  # argparse requires --format
+    shard = _size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else MAX_SHARD_SIZE
     tiers = [p.tier for p in ([_pick(_tiers(args), args.source, "--from")] if args.source else _tiers(args))]
     _must_exist(tiers)
-    return commands.export_step(tiers, args.step, Path(args.out), fmt, args.json, force=args.force)
+    return commands.export_step(
+        tiers, args.step, Path(args.out), fmt, args.json, args.force, args.provider, max_shard_size=shard
+    )
 
 
 def _init(args: argparse.Namespace) -> int:

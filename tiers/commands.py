@@ -24,9 +24,10 @@ from tierstate.errors import TierstateError
 
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, state_text, summary
 from .convert import Format
-from .export import ExportFormat, export
+from .export import ExportFormat, ExportReport, export, providers_of
 from .filesystem import FilesystemTier, InvalidEntry
-from .format import ManifestError, read_manifest
+from .format import Manifest, ManifestError, read_manifest
+from .hfdir import MAX_SHARD_SIZE, export_hf, weight_files
 from .locks import InUseError, reading
 from .migrate import MigrateReport, migrate
 from .pacing import Pacer
@@ -290,21 +291,41 @@ def export_step(
     fmt: ExportFormat,
     as_json: bool = False,
     force: bool = False,
+    provider: str | None = None,
+    max_shard_size: int = MAX_SHARD_SIZE,
 ) -> int:
-    """Write checkpoint ``step`` to the single file ``out``, from the fastest of ``tiers`` whose copy is good;
-    an existing ``out`` is replaced only with ``force``."""
+    """Write checkpoint ``step`` (``provider``'s items only, when given) to ``out``, from the fastest of ``tiers``
+    whose copy is good: a single file, or for ``hf`` a model directory of ``max_shard_size`` shards. What exists
+    there already (the file; an earlier export's weight files) is replaced only with ``force``."""
     holders = [tier for tier in tiers if step in tier.steps()]
     if not holders:
         raise UsageError(f"step {step}: no committed checkpoint on {', '.join(t.name for t in tiers)}")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise UsageError(f"{out} exists; give --force to replace it")
+    if fmt == "hf" and provider is None:
+        raise UsageError("--format hf writes one model's weights: give --provider NAME (e.g. --provider model)")
+    if provider is not None:
+        manifest = holders[0].manifest(step)
+        if not any(key.startswith(f"{provider}/") for key in manifest.items):
+            present = providers_of(manifest)
+            raise UsageError(f"step {step}: no provider {provider!r} (providers: {', '.join(present) or 'none'})")
+    existing = weight_files(out) if fmt == "hf" and not out.is_symlink() else [out]
+    if fmt == "hf" and out.exists() and not out.is_dir():
+        raise UsageError(f"{out} is not a directory; --format hf writes a model directory")
+    if any(path.exists() or path.is_symlink() for path in existing) and not force:
+        raise UsageError(f"{existing[0]} exists; give --force to replace it")
+
+    def write(directory: Path, manifest: Manifest, advance: Callable[[int], None]) -> ExportReport:
+        if fmt == "hf":
+            assert provider is not None
+            return export_hf(directory, manifest, out, provider, advance, max_shard_size)
+        return export(directory, manifest, out, fmt, advance, provider)
+
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's
         try:
             with reading(tier.step_dir(step)):
                 manifest = tier.manifest(step)
                 with byte_progress(not as_json, f"export step {step}", manifest.raw_bytes) as advance:
-                    report = export(tier.step_dir(step), manifest, out, fmt, advance)
+                    report = write(tier.step_dir(step), manifest, advance)
         except FAILURES as exc:
             problems.append(f"{tier.name}: {exc}")
             continue

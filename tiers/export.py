@@ -13,6 +13,10 @@ gives them); every byte is verified against its checksum on the way out.
   other types as raw unsigned integers of the same element size, objects as uint8 tensors of their
   encoded bytes. The header metadata (``tierstate.*`` keys, JSON values) names the real dtype of
   raw tensors, the serializer of objects, and the aliases, which are not stored twice.
+- hf: a Hugging Face model directory (tiers/hfdir.py), the weights of one provider alone.
+
+``provider`` narrows an export to one provider's items (``model``: the keys under ``model/``), named
+without that prefix, as the object itself names them in its ``state_dict``.
 
 The file appears whole or not at all: it is written under a temporary name beside ``out`` and renamed
 over it when complete, with the permissions a new file gets here (0666 less the umask).
@@ -23,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +44,10 @@ from .multirank import rank_view
 from .pieces import read_records
 from .reader import read_items
 
-ExportFormat = Literal["hdf5", "safetensors"]
+ExportFormat = Literal["hdf5", "safetensors", "hf"]
 Progress = Callable[[int], None]
 
-_SAFETENSORS_NATIVE = {
+SAFETENSORS_NATIVE = {
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
     torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
@@ -69,38 +73,71 @@ class ExportReport:
         }
 
 
-def _logical_items(manifest: Manifest) -> tuple[Manifest, dict[str, TensorRecord | ObjectRecord], dict[str, str]]:
-    """Rank 0's view of the checkpoint: the records to export (sharded ones as one whole tensor) and aliases."""
+@dataclass(frozen=True)
+class Selection:
+    """What an export writes, from rank 0's view of the checkpoint (``view``): the records by key (sharded
+    ones as one whole tensor), the aliases (key -> the key holding its bytes), and the provider prefix
+    that the exported names drop."""
+
+    view: Manifest
+    records: dict[str, TensorRecord | ObjectRecord]
+    aliases: dict[str, str]
+    prefix: str = ""
+
+    def name(self, key: str) -> str:
+        """The name ``key`` is exported under."""
+        return key[len(self.prefix) :]
+
+
+def providers_of(manifest: Manifest) -> list[str]:
+    """The providers a checkpoint holds: the first part of its keys (``model`` of ``model/0.weight``)."""
+    return sorted({key.split("/", 1)[0] for key in manifest.items if "/" in key})
+
+
+def select(manifest: Manifest, provider: str | None = None) -> Selection:
+    """The items to export: all of them, or those of ``provider`` (keys under ``provider/``).
+
+    An alias whose target lies outside the provider is exported as a tensor of its own."""
     view = rank_view(manifest, 0, list(manifest.items))
+    prefix = f"{provider}/" if provider else ""
     records: dict[str, TensorRecord | ObjectRecord] = {}
     aliases: dict[str, str] = {}
-    for key, record in view.items.items():
-        if (target := stored_key(key, record)) != key:
+    for key, item in view.items.items():
+        if not key.startswith(prefix):
+            continue
+        target = stored_key(key, item)
+        if target != key and target.startswith(prefix):
             aliases[key] = target
-        elif isinstance(record, ShardedRecord):
+            continue
+        record = view.items[target]
+        if isinstance(record, ShardedRecord):
             records[key] = TensorRecord(dtype=record.dtype, shape=record.global_shape, pieces=[])
         elif isinstance(record, (TensorRecord, ObjectRecord)):
             records[key] = record
         else:  # rank_view resolves per-rank records; anything else is a manifest this code does not know
             raise ManifestError(f"item {key!r}: a {type(record).__name__} cannot be exported")
-    return view, records, aliases
+    return Selection(view, records, aliases, prefix)
 
 
-def _item_bytes(
-    directory: Path, manifest: Manifest, view: Manifest, records: dict[str, TensorRecord | ObjectRecord]
-) -> Iterator[tuple[Hashable, torch.Tensor]]:
+def _is_sharded(view: Manifest, key: str) -> bool:
+    return isinstance(view.items[stored_key(key, view.items[key])], ShardedRecord)
+
+
+def item_bytes(
+    directory: Path, manifest: Manifest, view: Manifest, records: Mapping[str, TensorRecord | ObjectRecord]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each record's bytes (uint8), a bounded batch at a time; sharded tensors reassembled by the reader."""
-    stored = [(key, r) for key, r in records.items() if not isinstance(view.items[key], ShardedRecord)]
+    stored = [(key, record) for key, record in records.items() if not _is_sharded(view, key)]
     for batch in batches(stored, view):
         yield from read_records(directory, view, batch).items()
     for key in records:
-        if isinstance(view.items[key], ShardedRecord):
+        if _is_sharded(view, key):
             whole = read_items(directory, manifest, [key])[key]
             yield key, whole.contiguous().reshape(-1).view(torch.uint8)
 
 
 @contextmanager
-def _written_whole(out: Path) -> Iterator[Path]:
+def written_whole(out: Path) -> Iterator[Path]:
     """A temporary path beside ``out`` to write the file to; renamed to ``out`` once the block completes,
     removed if it fails. It is created here, so it gets the usual mode (0666 less the umask) and keeps
     it: safetensors writes a file of mode 0600 and moves it onto the path it is given."""
@@ -118,39 +155,39 @@ def _written_whole(out: Path) -> Iterator[Path]:
 
 
 def export(
-    directory: Path, manifest: Manifest, out: Path, fmt: ExportFormat, progress: Progress | None = None
+    directory: Path,
+    manifest: Manifest,
+    out: Path,
+    fmt: ExportFormat,
+    progress: Progress | None = None,
+    provider: str | None = None,
 ) -> ExportReport:
-    """Write the checkpoint in ``directory`` to the file ``out`` (replacing it) as ``fmt``."""
-    view, records, aliases = _logical_items(manifest)
+    """Write the checkpoint in ``directory`` (``provider``'s items only, when given) to the file ``out``
+    (replacing it) as ``fmt``, hdf5 or safetensors (``tiers.hfdir.export_hf`` writes hf directories)."""
+    selection = select(manifest, provider)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _written_whole(out) as path:
+    with written_whole(out) as path:
         write = _write_hdf5 if fmt == "hdf5" else _write_safetensors
-        total = write(path, directory, manifest, view, records, aliases, progress)
-    return ExportReport(manifest.step, fmt, out, len(records) + len(aliases), total)
+        total = write(path, directory, manifest, selection, progress)
+    return ExportReport(manifest.step, fmt, out, len(selection.records) + len(selection.aliases), total)
 
 
 def _write_hdf5(
-    path: Path,
-    directory: Path,
-    manifest: Manifest,
-    view: Manifest,
-    records: dict[str, TensorRecord | ObjectRecord],
-    aliases: dict[str, str],
-    progress: Progress | None,
+    path: Path, directory: Path, manifest: Manifest, selection: Selection, progress: Progress | None
 ) -> int:
     container = Hdf5Container(path, 4096, {"step": manifest.step, "created": manifest.created}, replace=True)
     total = 0
     try:
-        for key, record in records.items():
+        for key, record in selection.records.items():
             if isinstance(record, TensorRecord):
-                container.add_tensor(key, record.dtype, record.shape, record.shard)
+                container.add_tensor(selection.name(key), record.dtype, record.shape, record.shard)
             else:
-                container.add_object(key, record.serializer, record.length)
-        for key, data in _item_bytes(directory, manifest, view, records):
-            write_sliced(container, str(key), data, progress)
+                container.add_object(selection.name(key), record.serializer, record.length)
+        for key, data in item_bytes(directory, manifest, selection.view, selection.records):
+            write_sliced(container, selection.name(key), data, progress)
             total += data.numel()
-        for key, target in aliases.items():
-            container.add_alias(key, target)
+        for key, target in selection.aliases.items():
+            container.add_alias(selection.name(key), selection.name(target))
         container.finish()
     except BaseException:
         container.close()
@@ -159,25 +196,22 @@ def _write_hdf5(
 
 
 def _write_safetensors(
-    path: Path,
-    directory: Path,
-    manifest: Manifest,
-    view: Manifest,
-    records: dict[str, TensorRecord | ObjectRecord],
-    aliases: dict[str, str],
-    progress: Progress | None,
+    path: Path, directory: Path, manifest: Manifest, selection: Selection, progress: Progress | None
 ) -> int:
     tensors: dict[str, torch.Tensor] = {}
     raw: dict[str, dict[str, object]] = {}
     total = 0
-    for key, data in _item_bytes(directory, manifest, view, records):
-        tensors[str(key)], note = _safetensor(records[str(key)], data)
+    for key, data in item_bytes(directory, manifest, selection.view, selection.records):
+        name = selection.name(key)
+        tensors[name], note = _safetensor(selection.records[key], data)
         if note:
-            raw[str(key)] = note
+            raw[name] = note
         total += data.numel()
         if progress is not None:
             progress(data.numel())
-    objects = {k: r.serializer for k, r in records.items() if isinstance(r, ObjectRecord)}
+    rename = selection.name
+    objects = {rename(k): r.serializer for k, r in selection.records.items() if isinstance(r, ObjectRecord)}
+    aliases = {rename(k): rename(target) for k, target in selection.aliases.items()}
     attrs = {"step": manifest.step, "created": manifest.created}
     metadata = {f"tierstate.{k}": json.dumps(v) for k, v in attrs.items()}
     metadata |= {"tierstate.objects": json.dumps(objects), "tierstate.raw": json.dumps(raw)}
@@ -191,7 +225,7 @@ def _safetensor(record: TensorRecord | ObjectRecord, data: torch.Tensor) -> tupl
     if isinstance(record, ObjectRecord):
         return data, {}
     dtype = dtype_from_name(record.dtype)
-    if dtype in _SAFETENSORS_NATIVE:
+    if dtype in SAFETENSORS_NATIVE:
         return data.view(dtype).reshape(record.shape), {}
     unsigned = _UNSIGNED.get(dtype.itemsize)
     note: dict[str, object] = {"dtype": record.dtype, "shape": record.shape}
