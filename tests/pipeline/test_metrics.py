@@ -71,12 +71,16 @@ def test_blocked_time_includes_the_step_pre_hook_and_reaches_the_manifest(make_r
     runner = make_runner(host_cache__size="2MiB", chunk_size="1MiB", pipeline__stages__persist__bandwidth="16MiB")
     runner.register(model=model, optim=opt)
     model(torch.randn(4, 1024)).sum().backward()
+    called = time.perf_counter()
     handle = runner.checkpoint(1)
     started = time.perf_counter()
     opt.step()  # waits in the pre-hook until the capture is done
     waited = time.perf_counter() - started
+    call = started - called
     result = handle.result()
-    assert waited > 0.2 and waited * 0.95 <= handle.stats.blocked_s < waited * 1.5  # counted once
+    # Everything counted happened within the call and the step, and the wait is counted once (twice
+    # would exceed call + waited, since the wait is most of the step).
+    assert waited > 0.2 and waited * 0.5 <= handle.stats.blocked_s <= call + waited
     written = read_manifest(result.path).stats
     assert written is not None and written[0].blocked_s == pytest.approx(handle.stats.blocked_s, abs=1e-5)
 
