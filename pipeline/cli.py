@@ -79,12 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     only(g)
 
-    e = command("export", "write one checkpoint as a single HDF5 or safetensors file", [common])
+    e = command("export", "write one checkpoint as a single HDF5 or safetensors file, or a DCP directory", [common])
     e.add_argument("step", type=_step, help="the step to export")
-    e.add_argument("out", help="the file to write")
-    e.add_argument("--format", required=True, help="hdf5 or safetensors")
+    e.add_argument("out", help="the file (the directory, for dcp) to write")
+    e.add_argument("--format", required=True, help="hdf5, safetensors or dcp (torch.distributed.checkpoint)")
     e.add_argument("--from", dest="source", metavar="TIER", help="read this tier's copy (default: fastest good one)")
     e.add_argument("--force", action="store_true", help="replace the file if it exists")
+
+    t = command("import", "commit a torch.distributed.checkpoint (DCP) directory as a checkpoint on a tier", [common])
+    t.add_argument("source", help="the DCP checkpoint directory (it holds .metadata)")
+    t.add_argument("--to", dest="target", required=True, metavar="TIER", help="the tier to commit it on")
+    t.add_argument("--step", required=True, type=_step, help="the step number to give it")
+    t.add_argument("--allow-pickle", action="store_true", help="load and store objects that need pickle (trusted data)")
 
     n = command("init", "write an editable copy of a packaged config", [])
     n.add_argument("directory", nargs="?", default=".", help="where to write NAME.yaml (default: here)")

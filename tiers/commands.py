@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -24,15 +24,18 @@ from tierstate.errors import TierstateError
 
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, state_text, summary
 from .convert import Format
-from .export import ExportFormat, export
+from .export import ExportFormat, ExportReport, export
 from .filesystem import FilesystemTier, InvalidEntry
-from .format import ManifestError, read_manifest
+from .format import Manifest, ManifestError, read_manifest
 from .locks import InUseError, reading
 from .migrate import MigrateReport, migrate
 from .pacing import Pacer
 from .progress import byte_progress
 from .retention import Decision, TierPolicies, collect_garbage, prune
 from .verify import invalid_result, verify_step
+
+Writer = Callable[[Path, Manifest, Path, Callable[[int], None] | None], ExportReport]
+"""Writes one checkpoint (directory, manifest) to ``out`` in some format, reporting bytes as it goes."""
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
 FAILURES = (TierstateError, OSError)
@@ -287,12 +290,14 @@ def export_step(
     tiers: Sequence[FilesystemTier],
     step: int,
     out: Path,
-    fmt: ExportFormat,
+    fmt: str,
     as_json: bool = False,
     force: bool = False,
+    write: Writer | None = None,
 ) -> int:
     """Write checkpoint ``step`` to the single file ``out``, from the fastest of ``tiers`` whose copy is good;
-    an existing ``out`` is replaced only with ``force``."""
+    an existing ``out`` is replaced only with ``force``. ``write`` writes formats other than those of
+    tiers/export.py (``export_dcp`` of tierstate.integrations.dcp: a DCP directory); ``fmt`` names them."""
     holders = [tier for tier in tiers if step in tier.steps()]
     if not holders:
         raise UsageError(f"step {step}: no committed checkpoint on {', '.join(t.name for t in tiers)}")
@@ -304,7 +309,10 @@ def export_step(
             with reading(tier.step_dir(step)):
                 manifest = tier.manifest(step)
                 with byte_progress(not as_json, f"export step {step}", manifest.raw_bytes) as advance:
-                    report = export(tier.step_dir(step), manifest, out, fmt, advance)
+                    if write is not None:
+                        report = write(tier.step_dir(step), manifest, out, advance)
+                    else:
+                        report = export(tier.step_dir(step), manifest, out, cast(ExportFormat, fmt), advance)
         except FAILURES as exc:
             problems.append(f"{tier.name}: {exc}")
             continue
