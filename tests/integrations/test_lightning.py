@@ -1,0 +1,83 @@
+"""Lightning through TierstateCheckpointIO: asynchronous tiered saves, and ckpt_path="last" resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from tierstate.tiers.filesystem import FilesystemTier  # noqa: E402
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _losses(output: str) -> dict[int, str]:
+    lines = (line.split() for line in output.splitlines() if line.startswith("loss "))
+    return {int(step): bits for _tag, step, bits in lines}
+
+
+def _run(root: Path, epochs: int, *flags: str) -> dict[int, str]:
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(root), str(epochs), *flags],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "failures 0" in done.stdout
+    return _losses(done.stdout)
+
+
+def test_import_tierstate_and_the_integration_module_do_not_import_lightning() -> None:
+    code = "import sys, tierstate, tierstate.integrations.lightning; print('lightning' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_from_last_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    uninterrupted = _run(tmp_path / "whole", 4)
+    assert sorted(uninterrupted) == list(range(16))  # 4 epochs of 4 batches
+
+    # Killed in epoch 3 (before step 10), once the epoch-2 checkpoint (after step 7) is durable.
+    killed = tmp_path / "killed"
+    child = subprocess.Popen(
+        [sys.executable, str(WORKER), str(killed), "4", "--hang-at", "10"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(),
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in child.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if line.strip() == "READY":
+                break
+        else:
+            pytest.fail(f"the run ended without READY: {''.join(seen)[-2000:]}")
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    before = _losses("".join(seen))
+    assert sorted(before) == list(range(10))
+
+    # last.ckpt is a pointer to a committed tierstate checkpoint of the epoch-2 state (global step 8).
+    pointer = json.loads((killed / "ckpt" / "last.ckpt").read_text())
+    assert pointer["global_step"] == 8
+    assert pointer["step"] in FilesystemTier("nvme", killed / "tiers").steps()
+
+    resumed = _run(killed, 4, "--resume")
+    assert sorted(resumed) == list(range(8, 16))
+    assert resumed == {step: uninterrupted[step] for step in resumed}  # bit for bit
+    assert before == {step: uninterrupted[step] for step in before}
