@@ -61,6 +61,22 @@ class DcpError(TierstateError, ValueError):
     """A DCP checkpoint that cannot be brought in or written as asked (the name or key is given)."""
 
 
+@contextmanager
+def _unwrapped(what: str) -> Iterator[None]:
+    """The error DCP met instead of DCP's ``CheckpointException`` (a BaseException: it would pass every
+    ``except Exception``): tierstate's and OSErrors as they are, anything else as a DcpError saying ``what``."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        errors = [error for error, _trace in exc.failures.values()]
+        first = errors[0] if errors else exc
+        if isinstance(first, (TierstateError, OSError)):
+            raise first from None
+        raise DcpError(f"{what} failed: {first!r}") from None
+
+
 # --- export -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Shards:
@@ -114,7 +130,8 @@ def _shard_planner() -> Any:
                     chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=part.shape)
                     properties = TensorProperties.create_from_tensor(part)
                     data = TensorWriteData(chunk, properties, torch.Size(value.global_shape))
-                    items.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD, data))
+                    index = MetadataIndex(fqn, torch.Size(offsets))
+                    items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
             self.plan = dataclasses.replace(plan, items=items, planner_data=self.mappings)
             return self.plan
 
@@ -163,7 +180,8 @@ def export_dcp(directory: Path, manifest: Manifest, out: Path, progress: Progres
     with _directory_written_whole(out) as path:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=_shard_planner(), no_dist=True)
+            with _unwrapped(f"{out}: DCP save"):
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=_shard_planner(), no_dist=True)
         (path / LAYOUT_FILE).write_text(json.dumps({"step": manifest.step, "layout": layouts}, indent=1) + "\n")
     return ExportReport(manifest.step, "dcp", out, len(manifest.items), total)
 
@@ -179,11 +197,11 @@ def _whole_load_planner(allow_pickle: bool) -> Any:
             fqn = read_item.dest_index.fqn
             try:
                 loaded = torch.load(value, weights_only=not allow_pickle)
-            except Exception as exc:  # weights_only refuses what it does not know, naming it
+            except Exception as exc:  # weights_only refuses what it does not know
                 if allow_pickle:
-                    raise DcpError(f"DCP object {fqn!r} cannot be loaded: {exc}") from exc
+                    raise DcpError(f"DCP object {fqn!r} cannot be loaded: {exc!r}") from None
                 raise DcpError(
-                    f"DCP object {fqn!r} needs pickle to load (weights_only refuses it: {str(exc).splitlines()[0]}); "
+                    f"DCP object {fqn!r} needs pickle to load (weights_only refuses it); "
                     "allow it for a checkpoint you trust (--allow-pickle)"
                 ) from None
             if self.flatten_state_dict:
@@ -227,7 +245,8 @@ def read_dcp(
     planner = _whole_load_planner(allow_pickle)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({}, storage_reader=dcp.FileSystemReader(source), planner=planner, no_dist=True)
+        with _unwrapped(f"{source}: DCP load"):
+            dcp.load({}, storage_reader=dcp.FileSystemReader(source), planner=planner, no_dist=True)
     state = _gather_root_tensors(
         {str(k): _optimizer_indices(v) for k, v in planner.original_state_dict.items()}, root_name, source
     )
