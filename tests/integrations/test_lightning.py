@@ -75,7 +75,13 @@ def test_sigkilled_run_resumes_from_last_with_the_uninterrupted_losses(tmp_path:
     # last.ckpt is a pointer to a committed tierstate checkpoint of the epoch-2 state (global step 8).
     pointer = json.loads((killed / "ckpt" / "last.ckpt").read_text())
     assert pointer["global_step"] == 8
-    assert pointer["step"] in FilesystemTier("nvme", killed / "tiers").steps()
+    tier = FilesystemTier("nvme", killed / "tiers")
+    assert pointer["step"] in tier.steps()
+    # Parameters and AdamW state (6 + 18 tensors) were captured lazily; BatchNorm's buffers (3) and
+    # ModelCheckpoint's score were copied before save_checkpoint returned.
+    manifest = tier.manifest(pointer["step"])
+    assert manifest.stats is not None and manifest.stats[0].eager_tensors == 4
+    assert sum(1 for key in manifest.items if key.startswith(("state_dict/", "optimizer_states/0/"))) == 9 + 18
 
     resumed = _run(killed, 4, "--resume")
     assert sorted(resumed) == list(range(8, 16))
