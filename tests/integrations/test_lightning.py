@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -87,3 +88,57 @@ def test_sigkilled_run_resumes_from_last_with_the_uninterrupted_losses(tmp_path:
     assert sorted(resumed) == list(range(8, 16))
     assert resumed == {step: uninterrupted[step] for step in resumed}  # bit for bit
     assert before == {step: uninterrupted[step] for step in before}
+
+
+def _io(tmp_path: Path, **config: object):  # noqa: ANN202
+    from tierstate.integrations.lightning import TierstateCheckpointIO
+
+    return TierstateCheckpointIO({"tiers": {"nvme": {"path": str(tmp_path / "tiers")}}, **config})
+
+
+def test_save_writes_a_pointer_once_durable_and_load_gives_the_dict_back(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    weights = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.randn(3)}
+    optimizer = {"state": {0: {"step": torch.tensor(40.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    state = {
+        "epoch": 2, "global_step": 40, "state_dict": weights, "optimizer_states": [optimizer],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 3}}}}, "hparams_name": None,
+    }  # fmt: skip
+    io.save_checkpoint(state, tmp_path / "ckpt" / "a.ckpt")
+    io.save_checkpoint({**state, "global_step": 41}, tmp_path / "ckpt" / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "ckpt" / "a.ckpt")
+    io.wait()
+    assert not (tmp_path / "ckpt" / "a.ckpt").exists()
+    assert json.loads((tmp_path / "ckpt" / "b.ckpt").read_text())["step"] == 2  # the second save
+    loaded = io.load_checkpoint(tmp_path / "ckpt" / "b.ckpt")
+    io.teardown()
+    assert loaded.keys() == state.keys() and loaded["global_step"] == 41 and loaded["hparams_name"] is None
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in weights.items())
+    assert loaded["optimizer_states"][0]["state"][0]["step"] == 40 and loaded["loops"] == state["loops"]
+
+    # A new plugin (a restart) numbers its saves after the newest on the tiers.
+    again = _io(tmp_path)
+    again.save_checkpoint(state, tmp_path / "ckpt" / "c.ckpt")
+    again.teardown()
+    assert json.loads((tmp_path / "ckpt" / "c.ckpt").read_text())["step"] == 3
+
+
+def test_a_torch_save_file_loads_as_torch_checkpoint_io_loads_it(tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, tmp_path / "plain.ckpt")
+    loaded = _io(tmp_path).load_checkpoint(tmp_path / "plain.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.ones(2)) and loaded["epoch"] == 1
+
+
+def test_objects_msgpack_cannot_store_fail_the_save_unless_pickle_is_allowed(tmp_path: Path) -> None:
+    from tierstate.integrations.lightning import LightningCheckpointError
+
+    state = {"global_step": 1, "hyper_parameters": {"path": Path("/data")}}
+    refusing = _io(tmp_path)
+    with pytest.raises(LightningCheckpointError, match="'hyper_parameters'.*allow_pickle"):
+        refusing.save_checkpoint(state, tmp_path / "a.ckpt")
+    refusing.teardown()
+    io = _io(tmp_path, policies={"allow_pickle": True})
+    io.save_checkpoint(state, tmp_path / "b.ckpt")
+    io.wait()
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"] == {"path": Path("/data")}
+    io.teardown()
