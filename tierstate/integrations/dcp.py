@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -65,7 +65,7 @@ class DcpError(TierstateError, ValueError):
 def _unwrapped(what: str) -> Iterator[None]:
     """The error DCP met instead of DCP's ``CheckpointException`` (a BaseException: it would pass every
     ``except Exception``): tierstate's and OSErrors as they are, anything else as a DcpError saying ``what``."""
-    from torch.distributed.checkpoint import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
@@ -111,8 +111,7 @@ def _logical_state(directory: Path, manifest: Manifest, progress: Progress | Non
 
 def _shard_planner() -> Any:
     """A DCP save planner that writes each :class:`_Shards` as chunks of one global tensor (one per shard)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -169,7 +168,8 @@ def _directory_written_whole(out: Path) -> Iterator[Path]:
 
 def export_dcp(directory: Path, manifest: Manifest, out: Path, progress: Progress | None = None) -> ExportReport:
     """Write the checkpoint in ``directory`` as the DCP checkpoint directory ``out`` (replacing it)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     values, total = _logical_state(directory, manifest, progress)
     state: dict[str, Any] = {}
@@ -181,7 +181,7 @@ def export_dcp(directory: Path, manifest: Manifest, out: Path, progress: Progres
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             with _unwrapped(f"{out}: DCP save"):
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=_shard_planner(), no_dist=True)
+                save(state, storage_writer=FileSystemWriter(path), planner=_shard_planner(), no_dist=True)
         (path / LAYOUT_FILE).write_text(json.dumps({"step": manifest.step, "layout": layouts}, indent=1) + "\n")
     return ExportReport(manifest.step, "dcp", out, len(manifest.items), total)
 
@@ -238,7 +238,8 @@ def read_dcp(
 
     Tensors at the top level (TorchTitan saves the model's state dict there, beside ``optimizer``,
     ``lr_scheduler``, ``dataloader`` and ``train_state``) are gathered under ``root_name``."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     if not (source / ".metadata").is_file():
         raise DcpError(f"{source}: not a DCP checkpoint (no .metadata file)")
@@ -246,12 +247,12 @@ def read_dcp(
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         with _unwrapped(f"{source}: DCP load"):
-            dcp.load({}, storage_reader=dcp.FileSystemReader(source), planner=planner, no_dist=True)
+            load({}, storage_reader=FileSystemReader(source), planner=planner, no_dist=True)
     state = _gather_root_tensors(
         {str(k): _optimizer_indices(v) for k, v in planner.original_state_dict.items()}, root_name, source
     )
     recorded = _recorded_layouts(source)
-    layouts = {name: recorded.get(name) or layout_of(value) for name, value in state.items()}
+    layouts: dict[str, Layout] = {name: recorded.get(name) or layout_of(value) for name, value in state.items()}
     return state, layouts
 
 
@@ -274,7 +275,7 @@ def _recorded_layouts(source: Path) -> dict[str, Layout]:
         raise DcpError(f"{path}: not a tierstate layout file: {exc!r}") from None
     if not isinstance(layouts, dict) or any(v not in LAYOUTS for v in layouts.values()):
         raise DcpError(f"{path}: layouts must map names to one of {', '.join(LAYOUTS)}")
-    return layouts
+    return cast(dict[str, Layout], layouts)
 
 
 def _serializer(name: str, value: Any, layout: Layout, allow_pickle: bool) -> Serializer:
@@ -323,7 +324,7 @@ def import_dcp(
     bad = [name for name in state if not name or "/" in name]
     if bad:
         raise DcpError(f"{source}: top-level name {bad[0]!r} cannot name a provider (empty, or contains '/')")
-    chosen = {**found, **(layouts or {})}
+    chosen: dict[str, Layout] = {**found, **(layouts or {})}
     providers = {
         name: ValueProvider(lambda v=value: v, chosen[name], _serializer(name, value, chosen[name], allow_pickle))
         for name, value in state.items()

@@ -100,7 +100,7 @@ class ValueProvider:
         self, get: Callable[[], Any], layout: Layout | None = None, serializer: Serializer = "msgpack"
     ) -> None:
         self.get = get
-        self.layout = layout
+        self.layout: Layout | None = layout
         self.serializer: Serializer = serializer
         self.value: Any = None
 
@@ -108,7 +108,7 @@ class ValueProvider:
         value = self.get()
         if value is ABSENT:
             return []
-        return describe(value, self.layout or layout_of(value), self.serializer)
+        return describe(value, layout_of(value) if self.layout is None else self.layout, self.serializer)
 
     def restore(self, state: Mapping[str, Any]) -> None:
         self.value, _ = rebuild(state)
