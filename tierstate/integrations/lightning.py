@@ -262,19 +262,23 @@ class _TierstateIO:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def teardown(self) -> None:
-        """Drain: every save requested is durable (or failed) and published; the runner is closed."""
-        self.wait()
-        with self._lock:
-            if self._publisher is not None:
-                self._publisher.shutdown()
-                self._publisher = None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
-            self._entries.clear()
+        """Drain: every save requested is durable (or failed) and published; the runner is closed.
+
+        The plugin stays usable: a later save (another ``fit``) builds a new runner."""
+        try:
+            self.wait()  # raises what a pointer write met (an OSError), after closing everything
+        finally:
+            with self._lock:
+                if self._publisher is not None:
+                    self._publisher.shutdown()
+                    self._publisher = None
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if self._runner is not None:
+                self._runner.close()
+                self._runner = None
+                self._entries.clear()
 
 
 def _storages(optimizers: tuple[torch.optim.Optimizer, ...]) -> frozenset[int]:
