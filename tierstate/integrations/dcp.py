@@ -39,14 +39,14 @@ import torch
 
 from tierstate.errors import TierstateError
 
-from ..providers import ObjectItem, Serializer
+from ..providers import Serializer
 from ..tiers.export import ExportReport
 from ..tiers.format import Manifest, ShardedRecord, stored_key
 from ..tiers.multirank import rank_view
-from ..tiers.objcodec import ObjectCodecError, encode_object
+from ..tiers.objcodec import ObjectCodecError
 from ..tiers.reader import read_items
 from ..tiers.reshard import Region, read_regions
-from .layout import LAYOUTS, Layout, ValueProvider, describe, group_by_name, layout_of, rebuild
+from .layout import LAYOUTS, Layout, ValueProvider, describe, group_by_name, layout_of, rebuild, serializer_for
 
 LAYOUT_FILE = "tierstate.json"
 """Written beside the DCP files of an export: the step and each name's layout (DCP readers ignore it)."""
@@ -279,16 +279,11 @@ def _recorded_layouts(source: Path) -> dict[str, Layout]:
 
 
 def _serializer(name: str, value: Any, layout: Layout, allow_pickle: bool) -> Serializer:
-    """msgpack when it encodes every object of ``value``; else pickle if allowed; else DcpError naming what."""
-    for item in describe(value, layout):
-        if isinstance(item, ObjectItem):
-            try:
-                encode_object(item.value, "msgpack")
-            except ObjectCodecError as exc:
-                if allow_pickle:
-                    return "pickle"
-                raise DcpError(f"DCP state {name!r}, item {item.key!r}: {exc}") from None
-    return "msgpack"
+    """How the objects of ``value`` are stored (see ``serializer_for``); DcpError naming what msgpack refuses."""
+    try:
+        return serializer_for(describe(value, layout), allow_pickle)
+    except ObjectCodecError as exc:
+        raise DcpError(f"DCP state {name!r}, {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 from ..providers import Item, ObjectItem, Serializer, TensorItem, join_tensors, split_tensors
 from ..providers.objects import VALUE_KEY
 from ..providers.stateful import SKELETON_KEY
+from ..tiers.objcodec import ObjectCodecError, encode_object
 
 Layout = Literal["flat", "stateful", "value"]
 LAYOUTS: tuple[Layout, ...] = ("flat", "stateful", "value")
@@ -68,6 +69,20 @@ def describe(value: Any, layout: Layout, serializer: Serializer = "msgpack") -> 
     if isinstance(value, torch.Tensor):
         return [TensorItem(VALUE_KEY, value)]
     return [ObjectItem(VALUE_KEY, value, serializer)]
+
+
+def serializer_for(items: list[Item], allow_pickle: bool) -> Serializer:
+    """msgpack when it encodes every object item; else pickle when the policy allows it; else an
+    ObjectCodecError naming the item msgpack refused."""
+    for item in items:
+        if isinstance(item, ObjectItem):
+            try:
+                encode_object(item.value, "msgpack")
+            except ObjectCodecError as exc:
+                if allow_pickle:
+                    return "pickle"
+                raise ObjectCodecError(f"item {item.key!r}: {exc}") from None
+    return "msgpack"
 
 
 def rebuild(state: Mapping[str, Any]) -> tuple[Any, Layout]:

@@ -50,10 +50,10 @@ from ..pipeline.handle import CheckpointHandle
 from ..pipeline.laziness import storage_of
 from ..pipeline.restore import restore_into
 from ..pipeline.runner import Runner
-from ..providers import CompositeProvider, Item, ObjectItem, Serializer, TensorItem
+from ..providers import CompositeProvider, Item, Serializer, TensorItem
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.objcodec import ObjectCodecError, encode_object
-from .layout import ABSENT, ValueProvider, describe, layout_of
+from ..tiers.objcodec import ObjectCodecError
+from .layout import ABSENT, ValueProvider, describe, layout_of, serializer_for
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
@@ -100,20 +100,15 @@ def _write_pointer(path: Path, pointer: Mapping[str, Any]) -> None:
         os.close(fd)
 
 
-def _serializer(name: str, items: list[Item], allow_pickle: bool) -> Serializer:
-    """msgpack when it encodes every object item; pickle when it does not and the policy allows it."""
-    for item in items:
-        if isinstance(item, ObjectItem):
-            try:
-                encode_object(item.value, "msgpack")
-            except ObjectCodecError as exc:
-                if allow_pickle:
-                    return "pickle"
-                raise LightningCheckpointError(
-                    f"Lightning checkpoint key {name!r}, item {item.key!r}: {exc}; set policies.allow_pickle: true "
-                    "in the tierstate config to store it with pickle"
-                ) from None
-    return "msgpack"
+def _serializer(name: str, value: Any, allow_pickle: bool) -> Serializer:
+    """How the objects under ``name`` are stored (see ``serializer_for``); refused ones fail the save, named."""
+    try:
+        return serializer_for(describe(value, layout_of(value)), allow_pickle)
+    except ObjectCodecError as exc:
+        raise LightningCheckpointError(
+            f"Lightning checkpoint key {name!r}, {exc}; set policies.allow_pickle: true in the tierstate config "
+            "to store it with pickle"
+        ) from None
 
 
 class _Entry:
@@ -180,8 +175,7 @@ class _TierstateIO:
                 self._entries.add(name)
         allow_pickle = self.config.policies.allow_pickle
         self.serializers = {  # objects msgpack refuses fail the save here, not in the background
-            name: _serializer(name, describe(value, layout_of(value)), allow_pickle)
-            for name, value in checkpoint.items()
+            name: _serializer(name, value, allow_pickle) for name, value in checkpoint.items()
         }
         step = self._next_step
         self._next_step += 1
