@@ -1,8 +1,10 @@
 """Two ranks under torchrun save one tierstate checkpoint for tests/integrations/test_dcp.py (gloo, CPU).
 
-Usage: ``torchrun --standalone --nproc_per_node=2 dcp_worker.py TIERS``. A replicated model and optimizer
-(the same on both ranks, from fixed seeds) and a row-sharded tensor ``shards/w`` (rank 0 rows 0-3,
-rank 1 rows 4-6), committed as step 1; the test rebuilds the same values from :func:`expected`.
+Usage: ``torchrun --standalone --nproc_per_node=2 dcp_worker.py TIERS DCP_DIR``. A replicated model and
+optimizer (the same on both ranks, from fixed seeds) and a row-sharded tensor ``shards/w`` (rank 0 rows
+0-3, rank 1 rows 4-6), committed as step 1; then the same state saved by ``dcp.save`` into DCP_DIR, the
+tensor as a DTensor sharded by rows (as FSDP2 / TorchTitan save). The test rebuilds the values from
+:func:`expected`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierstate import ModuleProvider, OptimizerProvider, Runner, ShardInfo, TensorItem
 
@@ -45,7 +50,7 @@ class RowShard:
         self.tensor.copy_(state["w"])
 
 
-def main(tiers: str) -> None:
+def main(tiers: str, dcp_dir: str) -> None:
     dist.init_process_group("gloo")
     model, optimizer, whole = expected()
     runner = Runner.from_dict({"tiers": {"nvme": {"path": tiers}}})
@@ -56,8 +61,13 @@ def main(tiers: str) -> None:
     )
     runner.checkpoint(1).result()
     runner.close()
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "shards": {"w": sharded}}
+    dcp.save(state, checkpoint_id=dcp_dir)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from tierstate import ObjectProvider, RNGProvider, Runner, StatefulProvider
+from tierstate import ObjectProvider, RNGProvider, Runner, StatefulProvider, TensorDictProvider
 from tierstate.pipeline.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
@@ -146,10 +146,10 @@ def test_objects_that_need_pickle_are_refused_unless_allowed(tmp_path: Path, cap
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-def test_two_rank_checkpoint_exports_its_shards_as_dcp_chunks(tmp_path: Path) -> None:
-    tiers = tmp_path / "nvme"
+def test_two_rank_saves_both_ways_shards_as_dcp_chunks_and_dtensor_chunks_imported(tmp_path: Path) -> None:
+    tiers, titan = tmp_path / "nvme", tmp_path / "titan"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(HERE / "dcp_worker.py"), str(tiers)]  # fmt: skip
+               str(HERE / "dcp_worker.py"), str(tiers), str(titan)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -174,6 +174,21 @@ def test_two_rank_checkpoint_exports_its_shards_as_dcp_chunks(tmp_path: Path) ->
     for param_index, param in enumerate(model.parameters()):
         for name, value in optimizer.state[param].items():
             assert torch.equal(everything["optim"]["state"][str(param_index)][name], value), name
+
+    # The other way: DCP's own 2-rank save (a DTensor in two chunks) imported, and restored in one process.
+    assert len(dcp.FileSystemReader(str(titan)).read_metadata().state_dict_metadata["shards.w"].chunks) == 2
+    assert main(["import", str(titan), "--to", "pfs", "--step", "1", "--tier", f"pfs={tmp_path / 'pfs'}"]) == 0
+    target, w = build_linear(), torch.zeros(SHAPE, dtype=torch.float64)
+    target_optimizer = torch.optim.AdamW(target.parameters(), lr=0.1)
+    with Runner.from_dict({"tiers": {"pfs": {"path": str(tmp_path / "pfs")}}}) as runner:
+        runner.register(model=target, optim=target_optimizer, shards=TensorDictProvider({"w": w}))
+        runner.restore(1)
+    assert torch.equal(w, whole)
+    for (key, value), restored in zip(model.state_dict().items(), target.state_dict().values(), strict=True):
+        assert torch.equal(restored, value), key
+    for param, restored in zip(model.parameters(), target.parameters(), strict=True):
+        for name, value in optimizer.state[param].items():
+            assert torch.equal(target_optimizer.state[restored][name], value), name
 
 
 def build_linear() -> torch.nn.Module:
