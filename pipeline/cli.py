@@ -79,14 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     only(g)
 
-    e = command("export", "write one checkpoint as an HDF5 or safetensors file, or Hugging Face weights", [common])
+    e = command(
+        "export", "write one checkpoint as an HDF5 or safetensors file, Hugging Face weights or a DCP directory",
+        [common],
+    )
     e.add_argument("step", type=_step, help="the step to export")
-    e.add_argument("out", help="the file to write (hf: the model directory)")
-    e.add_argument("--format", required=True, help="hdf5, safetensors or hf (a Hugging Face model directory)")
+    e.add_argument("out", help="the file to write (hf, dcp: the directory)")
+    e.add_argument(
+        "--format", required=True,
+        help="hdf5, safetensors, hf (a Hugging Face model directory) or dcp (torch.distributed.checkpoint)",
+    )  # fmt: skip
     e.add_argument("--provider", metavar="NAME", help="export this provider's items only, named without NAME/")
     e.add_argument("--max-shard-size", metavar="SIZE", help="hf: the largest weights file, e.g. 5GB (default 50GB)")
     e.add_argument("--from", dest="source", metavar="TIER", help="read this tier's copy (default: fastest good one)")
     e.add_argument("--force", action="store_true", help="replace the file if it exists")
+
+    t = command("import", "commit a torch.distributed.checkpoint (DCP) directory as a checkpoint on a tier", [common])
+    t.add_argument("source", help="the DCP checkpoint directory (it holds .metadata)")
+    t.add_argument("--to", dest="target", required=True, metavar="TIER", help="the tier to commit it on")
+    t.add_argument("--step", required=True, type=_step, help="the step number to give it")
+    t.add_argument("--allow-pickle", action="store_true", help="load and store objects that need pickle (trusted data)")
 
     n = command("init", "write an editable copy of a packaged config", [])
     n.add_argument("directory", nargs="?", default=".", help="where to write NAME.yaml (default: here)")

@@ -13,6 +13,7 @@ keeps. The commands (tiers/commands.py) take the tiers and policies built here, 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar, get_args
+from typing import TypeVar, cast, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
@@ -215,14 +216,39 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    fmt = _choice(args.format, get_args(ExportFormat), "--format")
+    fmt = _choice(args.format, (*get_args(ExportFormat), "dcp"), "--format")
     assert fmt is not None  # argparse requires --format
     shard = _size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else MAX_SHARD_SIZE
     tiers = [p.tier for p in ([_pick(_tiers(args), args.source, "--from")] if args.source else _tiers(args))]
     _must_exist(tiers)
+    writer = None
+    if fmt == "dcp":  # a directory, written by DCP's own writer: torch.distributed.checkpoint loads only now
+        if args.provider is not None:
+            raise UsageError("--provider: --format dcp exports the whole checkpoint (DCP loads any part of it)")
+        from tierstate.integrations.dcp import export_dcp
+
+        # the cast: type checkers see this repository's tiers/ and the installed tierstate.tiers as two modules
+        writer = cast(commands.Writer, export_dcp)
     return commands.export_step(
-        tiers, args.step, Path(args.out), fmt, args.json, args.force, args.provider, max_shard_size=shard
+        tiers, args.step, Path(args.out), fmt, args.json, args.force, args.provider, max_shard_size=shard, writer=writer
     )
+
+
+def _import(args: argparse.Namespace) -> int:
+    """A DCP checkpoint committed as step ``--step`` on the tier ``--to``, through a runner."""
+    from tierstate.integrations.dcp import import_dcp
+
+    target = _pick(_tiers(args), args.target, "--to").tier
+    source = Path(args.source)
+    if not (source / ".metadata").is_file():
+        raise UsageError(f"{source}: not a DCP checkpoint directory (it has no .metadata file)")
+    if args.step in target.steps():
+        raise UsageError(f"--step {args.step}: tier {target.name} holds a checkpoint step {args.step} already")
+    report = import_dcp(source, target.name, target.root, args.step, allow_pickle=args.allow_pickle)
+    names = ", ".join(f"{name} ({layout})" for name, layout in report.names.items())
+    line = f"step {report.step} ({report.tier}): {report.items} items, {report.bytes:,} bytes from {source}: {names}"
+    print(json.dumps(report.as_dict(), indent=1) if args.json else line)
+    return 0
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -248,6 +274,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "prune": _prune,
     "gc": _gc,
     "export": _export,
+    "import": _import,
     "init": _init,
 }
 

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -34,6 +34,9 @@ from .pacing import Pacer
 from .progress import byte_progress
 from .retention import Decision, TierPolicies, collect_garbage, prune
 from .verify import invalid_result, verify_step
+
+Writer = Callable[[Path, Manifest, Path, Callable[[int], None] | None], ExportReport]
+"""Writes one checkpoint (directory, manifest) to ``out`` in some format, reporting bytes as it goes."""
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
 FAILURES = (TierstateError, OSError)
@@ -288,15 +291,18 @@ def export_step(
     tiers: Sequence[FilesystemTier],
     step: int,
     out: Path,
-    fmt: ExportFormat,
+    fmt: str,
     as_json: bool = False,
     force: bool = False,
     provider: str | None = None,
     max_shard_size: int = MAX_SHARD_SIZE,
+    writer: Writer | None = None,
 ) -> int:
     """Write checkpoint ``step`` (``provider``'s items only, when given) to ``out``, from the fastest of ``tiers``
     whose copy is good: a single file, or for ``hf`` a model directory of ``max_shard_size`` shards. What exists
-    there already (the file; an earlier export's weight files) is replaced only with ``force``."""
+    there already (the file; an earlier export's weight files) is replaced only with ``force``. ``writer``
+    writes formats other than those of tiers/export.py (``export_dcp`` of tierstate.integrations.dcp: a DCP
+    directory); ``fmt`` names them."""
     holders = [tier for tier in tiers if step in tier.steps()]
     if not holders:
         raise UsageError(f"step {step}: no committed checkpoint on {', '.join(t.name for t in tiers)}")
@@ -314,10 +320,12 @@ def export_step(
         raise UsageError(f"{existing[0]} exists; give --force to replace it")
 
     def write(directory: Path, manifest: Manifest, advance: Callable[[int], None]) -> ExportReport:
+        if writer is not None:
+            return writer(directory, manifest, out, advance)
         if fmt == "hf":
             assert provider is not None
             return export_hf(directory, manifest, out, provider, advance, max_shard_size)
-        return export(directory, manifest, out, fmt, advance, provider)
+        return export(directory, manifest, out, cast(ExportFormat, fmt), advance, provider)
 
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's

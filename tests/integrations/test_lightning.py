@@ -1,0 +1,144 @@
+"""Lightning through TierstateCheckpointIO: asynchronous tiered saves, and ckpt_path="last" resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from tierstate.tiers.filesystem import FilesystemTier  # noqa: E402
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _losses(output: str) -> dict[int, str]:
+    lines = (line.split() for line in output.splitlines() if line.startswith("loss "))
+    return {int(step): bits for _tag, step, bits in lines}
+
+
+def _run(root: Path, epochs: int, *flags: str) -> dict[int, str]:
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(root), str(epochs), *flags],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "failures 0" in done.stdout
+    return _losses(done.stdout)
+
+
+def test_import_tierstate_and_the_integration_module_do_not_import_lightning() -> None:
+    code = "import sys, tierstate, tierstate.integrations.lightning; print('lightning' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_from_last_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    uninterrupted = _run(tmp_path / "whole", 4)
+    assert sorted(uninterrupted) == list(range(16))  # 4 epochs of 4 batches
+
+    # Killed in epoch 3 (before step 10), once the epoch-2 checkpoint (after step 7) is durable.
+    killed = tmp_path / "killed"
+    child = subprocess.Popen(
+        [sys.executable, str(WORKER), str(killed), "4", "--hang-at", "10"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(),
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in child.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if line.strip() == "READY":
+                break
+        else:
+            pytest.fail(f"the run ended without READY: {''.join(seen)[-2000:]}")
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    before = _losses("".join(seen))
+    assert sorted(before) == list(range(10))
+
+    # last.ckpt is a pointer to a committed tierstate checkpoint of the epoch-2 state (global step 8).
+    pointer = json.loads((killed / "ckpt" / "last.ckpt").read_text())
+    assert pointer["global_step"] == 8
+    tier = FilesystemTier("nvme", killed / "tiers")
+    assert pointer["step"] in tier.steps()
+    # Parameters and AdamW state (6 + 18 tensors) were captured lazily; BatchNorm's buffers (3) and
+    # ModelCheckpoint's score were copied before save_checkpoint returned.
+    manifest = tier.manifest(pointer["step"])
+    assert manifest.stats is not None and manifest.stats[0].eager_tensors == 4
+    assert sum(1 for key in manifest.items if key.startswith(("state_dict/", "optimizer_states/0/"))) == 9 + 18
+
+    resumed = _run(killed, 4, "--resume")
+    assert sorted(resumed) == list(range(8, 16))
+    assert resumed == {step: uninterrupted[step] for step in resumed}  # bit for bit
+    assert before == {step: uninterrupted[step] for step in before}
+
+
+def _io(tmp_path: Path, **config: object):  # noqa: ANN202
+    from tierstate.integrations.lightning import TierstateCheckpointIO
+
+    return TierstateCheckpointIO({"tiers": {"nvme": {"path": str(tmp_path / "tiers")}}, **config})
+
+
+def test_save_writes_a_pointer_once_durable_and_load_gives_the_dict_back(tmp_path: Path) -> None:
+    io = _io(tmp_path)
+    weights = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.randn(3)}
+    optimizer = {"state": {0: {"step": torch.tensor(40.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    state = {
+        "epoch": 2, "global_step": 40, "state_dict": weights, "optimizer_states": [optimizer],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 3}}}}, "hparams_name": None,
+    }  # fmt: skip
+    io.save_checkpoint(state, tmp_path / "ckpt" / "a.ckpt")
+    io.save_checkpoint({**state, "global_step": 41}, tmp_path / "ckpt" / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "ckpt" / "a.ckpt")
+    io.wait()
+    assert not (tmp_path / "ckpt" / "a.ckpt").exists()
+    assert json.loads((tmp_path / "ckpt" / "b.ckpt").read_text())["step"] == 2  # the second save
+    loaded = io.load_checkpoint(tmp_path / "ckpt" / "b.ckpt")
+    io.teardown()
+    assert loaded.keys() == state.keys() and loaded["global_step"] == 41 and loaded["hparams_name"] is None
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in weights.items())
+    assert loaded["optimizer_states"][0]["state"][0]["step"] == 40 and loaded["loops"] == state["loops"]
+
+    # A new plugin (a restart) numbers its saves after the newest on the tiers.
+    again = _io(tmp_path)
+    again.save_checkpoint(state, tmp_path / "ckpt" / "c.ckpt")
+    again.teardown()
+    assert json.loads((tmp_path / "ckpt" / "c.ckpt").read_text())["step"] == 3
+
+
+def test_a_torch_save_file_loads_as_torch_checkpoint_io_loads_it(tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, tmp_path / "plain.ckpt")
+    loaded = _io(tmp_path).load_checkpoint(tmp_path / "plain.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.ones(2)) and loaded["epoch"] == 1
+
+
+def test_objects_msgpack_cannot_store_fail_the_save_unless_pickle_is_allowed(tmp_path: Path) -> None:
+    from tierstate.integrations.lightning import LightningCheckpointError
+
+    state = {"global_step": 1, "hyper_parameters": {"path": Path("/data")}}
+    refusing = _io(tmp_path)
+    with pytest.raises(LightningCheckpointError, match="'hyper_parameters'.*allow_pickle"):
+        refusing.save_checkpoint(state, tmp_path / "a.ckpt")
+    refusing.teardown()
+    io = _io(tmp_path, policies={"allow_pickle": True})
+    io.save_checkpoint(state, tmp_path / "b.ckpt")
+    io.wait()
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"] == {"path": Path("/data")}
+    io.teardown()

@@ -1,0 +1,341 @@
+"""Lightning: ``Trainer(plugins=[TierstateCheckpointIO()])`` makes every checkpoint save asynchronous and tiered.
+
+Lightning hands its ``CheckpointIO`` plugin one dict per save (``state_dict``, ``optimizer_states``,
+``lr_schedulers``, ``loops``, ``callbacks``, ``epoch``, ``global_step``, ...) and a path. Here:
+
+- **Items.** Each top-level key is a provider of that name, laid out as
+  :mod:`tierstate.integrations.layout` says: ``state_dict/<param>`` (what a ``ModuleProvider`` of
+  the LightningModule describes), ``optimizer_states/0/state/0/exp_avg`` with a ``skeleton`` object,
+  and so on. Tensors an optimizer holds (parameters, optimizer state) are captured lazily: every
+  optimizer that steps while the plugin is set up is attached (a global step pre-hook notes it),
+  so its next ``step()`` waits only for a capture still pending. Everything else (buffers, the
+  small state of loops and callbacks) is copied before ``save_checkpoint`` returns, as Lightning's
+  own ``AsyncCheckpointIO`` copies everything.
+- **Paths.** Each save is a tierstate checkpoint of its own, numbered in order (1, 2, ... and on
+  from the newest on the tiers after a restart; Lightning may save twice at one global step, e.g. a
+  top-k file and ``last.ckpt``, with different loop state). The file at ``path`` is a small JSON
+  pointer naming that number, written (atomically) only once the checkpoint is durable: Lightning
+  finds ``last.ckpt`` as usual, and it always names a checkpoint that is there, also after a
+  SIGKILL. ``remove_checkpoint`` removes a pointer after the saves requested before it are
+  published; the checkpoints themselves are kept or deleted by the tiers' retention policies.
+- **Loading.** ``load_checkpoint`` reads the pointer and restores from the fastest tier holding a
+  verified copy, as a runner restores; a path that is not a pointer (a ``.ckpt`` that
+  ``torch.save`` wrote) is loaded as Lightning's ``TorchCheckpointIO`` would.
+
+A failed checkpoint does not stop training: it is logged, its pointer is not written (``last``
+keeps naming the previous one) and it is listed in ``failures``.
+
+Lightning is imported only when :class:`TierstateCheckpointIO` is first looked up.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from tierstate.errors import TierstateError
+
+from ..pipeline.config import PipelineConfig, load_config, parse_config
+from ..pipeline.handle import CheckpointHandle
+from ..pipeline.laziness import storage_of
+from ..pipeline.restore import restore_into
+from ..pipeline.runner import Runner
+from ..providers import CompositeProvider, Item, Serializer, TensorItem
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.objcodec import ObjectCodecError
+from .layout import ABSENT, ValueProvider, describe, layout_of, serializer_for
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO
+
+log = logging.getLogger("tierstate")
+
+POINTER_KIND = "tierstate lightning checkpoint"
+"""The ``kind`` of the JSON pointer file written at each Lightning checkpoint path."""
+_POINTER_MAX = 1 << 16  # a pointer is a few hundred bytes; a torch .ckpt is a zip that never parses as JSON
+
+
+class LightningCheckpointError(TierstateError, ValueError):
+    """A Lightning checkpoint that cannot be saved or loaded as asked (the key or path is named)."""
+
+
+def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The pointer at ``path`` (``{"kind", "step", ...}``), or None if the file there is not one."""
+    with open(path, "rb") as f:
+        head = f.read(_POINTER_MAX + 1)
+    if len(head) > _POINTER_MAX or not head.lstrip().startswith(b"{"):
+        return None
+    try:
+        pointer = json.loads(head)
+    except ValueError:
+        return None
+    if not isinstance(pointer, dict) or pointer.get("kind") != POINTER_KIND or not isinstance(pointer.get("step"), int):
+        return None
+    return pointer
+
+
+def _write_pointer(path: Path, pointer: Mapping[str, Any]) -> None:
+    """``path`` holds ``pointer`` whole, or keeps what it held: written beside it, fsynced, renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        f.write(json.dumps(pointer, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _serializer(name: str, value: Any, allow_pickle: bool) -> Serializer:
+    """How the objects under ``name`` are stored (see ``serializer_for``); refused ones fail the save, named."""
+    try:
+        return serializer_for(describe(value, layout_of(value)), allow_pickle)
+    except ObjectCodecError as exc:
+        raise LightningCheckpointError(
+            f"Lightning checkpoint key {name!r}, {exc}; set policies.allow_pickle: true in the tierstate config "
+            "to store it with pickle"
+        ) from None
+
+
+class _Entry:
+    """The provider of one top-level key of the checkpoint dict being saved (nothing when it lacks the key)."""
+
+    def __init__(self, io: _TierstateIO, name: str) -> None:
+        self.io, self.name = io, name
+
+    def describe(self) -> list[Item]:
+        value = self.io.saving.get(self.name, ABSENT)
+        if value is ABSENT:
+            return []
+        items = describe(value, layout_of(value), self.io.serializers.get(self.name, "msgpack"))
+        covered = self.io.covered
+        for item in items:  # what only optimizer.step() changes: lazy (the runner checks it is attached)
+            if isinstance(item, TensorItem) and storage_of(item.tensor) in covered:
+                item.changes = "step"
+        return items
+
+    def restore(self, _state: Mapping[str, Any]) -> None:
+        raise LightningCheckpointError(f"{self.name}: restore through load_checkpoint()")
+
+
+class _TierstateIO:
+    """What :class:`TierstateCheckpointIO` does, without Lightning's base class (see the module docstring)."""
+
+    def __init__(self, config: str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig | None = None) -> None:
+        """``config``: the tierstate pipeline (a YAML path, a packaged config's name, a mapping; None = the
+        packaged default), as ``Runner.from_yaml`` / ``Runner.from_dict`` take it."""
+        if isinstance(config, PipelineConfig):
+            self.config = config
+        elif isinstance(config, Mapping):
+            self.config = parse_config(config)
+        else:
+            self.config = load_config(config)
+        self.saving: dict[str, Any] = {}  # the dict being saved, while save_checkpoint describes it
+        self.serializers: dict[str, Serializer] = {}  # how the objects of each of its keys are stored
+        self.covered: frozenset[int] = frozenset()
+        self.failures: list[tuple[str, BaseException]] = []  # (path, error) of each save that failed
+        self._runner: Runner | None = None
+        self._entries: set[str] = set()
+        self._next_step = 0
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._hook: Any = None
+        self._lock = threading.Lock()
+        self._watch_optimizers()
+
+    # --- saving ---------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Request a tierstate checkpoint of ``checkpoint``; the pointer at ``path`` appears once it is durable."""
+        if storage_options is not None:
+            raise TypeError(f"TierstateCheckpointIO takes no storage_options, got {storage_options!r}")
+        runner = self._ensure_runner()
+        for optimizer in list(self._seen):
+            runner.attach(optimizer)
+        self.covered = _storages(runner.attached)
+        for name in checkpoint:
+            if name not in self._entries:
+                if not isinstance(name, str) or not name or "/" in name:
+                    raise LightningCheckpointError(f"checkpoint key {name!r}: a tierstate name is a string without '/'")
+                runner.register(**{name: _Entry(self, name)})
+                self._entries.add(name)
+        allow_pickle = self.config.policies.allow_pickle
+        self.serializers = {  # objects msgpack refuses fail the save here, not in the background
+            name: _serializer(name, value, allow_pickle) for name, value in checkpoint.items()
+        }
+        step = self._next_step
+        self._next_step += 1
+        self.saving = checkpoint
+        try:
+            handle = runner.checkpoint(step)
+        finally:
+            self.saving, self.covered = {}, frozenset()
+        pointer = {"kind": POINTER_KIND, "step": step, "global_step": checkpoint.get("global_step")}
+        self._queue(self._publish, handle, Path(path), pointer)
+
+    def _publish(self, handle: CheckpointHandle, path: Path, pointer: dict[str, Any]) -> None:
+        error = handle.exception()
+        if error is not None:
+            log.error("Lightning checkpoint %s (tierstate step %d) not written: %s", path, pointer["step"], error)
+            self.failures.append((str(path), error))
+            return
+        result = handle.result()
+        _write_pointer(path, {**pointer, "tier": result.tier, "directory": str(result.path)})
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer at ``path`` once the saves requested before are published."""
+        self._queue(_remove, Path(path))
+
+    def _queue(self, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._publisher is None:
+                self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstate-lightning")
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._publisher.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Block until every save requested so far is durable (or failed) and its pointer written."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.result()
+
+    def _ensure_runner(self) -> Runner:
+        if self._runner is None:
+            # Only the global-zero rank saves (Lightning's strategies call this there alone): no collectives.
+            self._runner = Runner(self.config, distributed=False)
+            held = [step for steps in self._runner.steps().values() for step in steps]
+            self._next_step = max(held, default=0) + 1
+            self._watch_optimizers()
+        return self._runner
+
+    def _watch_optimizers(self) -> None:
+        """Note every optimizer that steps from now on (a global step pre-hook): each is attached at the next save."""
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(self._saw_optimizer)
+
+    def _saw_optimizer(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._seen.add(optimizer)
+
+    # --- loading --------------------------------------------------------------------------------
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        """The checkpoint dict the pointer at ``path`` names, read from the fastest tier with a verified copy;
+        a file that is no pointer is loaded as ``TorchCheckpointIO`` loads it."""
+        self.wait()
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        pointer = read_pointer(path)
+        if pointer is None:
+            from lightning.fabric.plugins import TorchCheckpointIO
+
+            load = TorchCheckpointIO().load_checkpoint
+            return load(path, weights_only=weights_only, **({"map_location": map_location} if map_location else {}))
+        step = pointer["step"]
+        tiers = [FilesystemTier(name, tier.path) for name, tier in self.config.tiers.items()]
+        names = _names(tiers, step, path)
+        readers = {name: ValueProvider(lambda: ABSENT) for name in names}
+        restore_into(CompositeProvider(**readers), tiers, step, allow_pickle=self.config.policies.allow_pickle)
+        checkpoint = {name: reader.value for name, reader in readers.items()}
+        if map_location is not None:
+            checkpoint = _moved(checkpoint, map_location)
+        return checkpoint
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Drain: every save requested is durable (or failed) and published; the runner is closed.
+
+        The plugin stays usable: a later save (another ``fit``) builds a new runner."""
+        try:
+            self.wait()  # raises what a pointer write met (an OSError), after closing everything
+        finally:
+            with self._lock:
+                if self._publisher is not None:
+                    self._publisher.shutdown()
+                    self._publisher = None
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if self._runner is not None:
+                self._runner.close()
+                self._runner = None
+                self._entries.clear()
+
+
+def _storages(optimizers: tuple[torch.optim.Optimizer, ...]) -> frozenset[int]:
+    """The storages of every parameter and state tensor of ``optimizers``: what only their step() changes."""
+    found: set[int] = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            found.update(storage_of(p) for p in group["params"])
+        for state in optimizer.state.values():
+            found.update(storage_of(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return frozenset(found)
+
+
+def _names(tiers: list[FilesystemTier], step: int, path: Any) -> list[str]:
+    """The top-level keys checkpoint ``step`` holds, from its manifest on the first tier that has it."""
+    for tier in tiers:
+        if step in tier.steps():
+            return sorted({key.split("/", 1)[0] for key in tier.manifest(step).items})
+    where = ", ".join(f"{t.name}={t.root}" for t in tiers)
+    raise LightningCheckpointError(f"{path} names tierstate step {step}, which no tier holds ({where})")
+
+
+def _moved(value: Any, device: Any) -> Any:
+    """``value`` with every tensor on ``device`` (a device or its name; what map_location means here)."""
+    if not isinstance(device, (str, torch.device)):
+        raise LightningCheckpointError(f"map_location must be a device or its name here, got {device!r}")
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, device) for v in value]
+    return value
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+
+
+_CLASS: type | None = None
+
+
+def _checkpoint_io_class() -> type:
+    """``TierstateCheckpointIO``, made on first use: a Lightning ``CheckpointIO`` (imported only now)."""
+    global _CLASS
+    if _CLASS is None:
+        from lightning.fabric.plugins import CheckpointIO
+
+        class TierstateCheckpointIO(_TierstateIO, CheckpointIO):
+            """Lightning's ``CheckpointIO`` through tierstate: ``Trainer(plugins=[TierstateCheckpointIO(config)])``."""
+
+        _CLASS = TierstateCheckpointIO
+    return _CLASS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TierstateCheckpointIO":
+        return _checkpoint_io_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+
+    class TierstateCheckpointIO(_TierstateIO, CheckpointIO):
+        """Lightning's CheckpointIO through tierstate (see the module docstring)."""
