@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--tier", action="append", metavar="NAME=PATH", help="a tier directory (repeatable)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables and lines")
+    common.add_argument(
+        "--node",
+        metavar="NAME",
+        help="read node-scoped tiers as node NAME sees them: {node} in a tier path is NAME "
+        "(default: $TIERSTATE_NODE, else the hostname)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:

@@ -229,17 +229,27 @@ class Flusher:
             await asyncio.sleep(pause)  # another node's copy ends on its own schedule: nothing to wait on here
             pause = min(1.0, pause * 2)
 
-    async def _prune(self) -> None:
+    async def _prune(self) -> bool:
+        """One retention pass over the tiers this rank prunes; whether it deleted anything."""
         async with self._prune_lock:  # one pass at a time: each sees the deletions of the one before
             try:
                 prune_all = functools.partial(prune, only=self._role.prunes)
                 decisions = await run_blocking(self._pool, prune_all, self._policies)
             except Exception as exc:
                 log.error("retention failed: %s: %s", type(exc).__name__, exc)
-                return
+                return False
         for decision in decisions:
             if decision.delete:
                 log.info("retention: deleted step %d from %s (%s)", decision.step, decision.tier, decision.reason)
+        return any(decision.delete for decision in decisions)
+
+    async def settle(self) -> bool:
+        """For a bounded tier that is full (pipeline/room.py): wait until one pending flush or prune is
+        done (each flush prunes after it); with none pending, prune once. Whether room may have come free."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+            return True
+        return self._prunes and await self._prune()
 
     async def _idle(self) -> None:
         while self._tasks:

@@ -108,7 +108,7 @@ def test_no_argument_is_the_packaged_default_with_tiers_under_the_working_direct
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # no configs/ here: the packaged files are read, wherever tierstate lives
-    assert packaged_configs() == ["compressed", "default", "tiered"]
+    assert packaged_configs() == ["cluster", "compressed", "default", "tiered"]
     cfg = load_config()
     assert cfg == load_config(CONFIGS / "default.yaml")
     assert {name: tier.path for name, tier in cfg.tiers.items()} == {
