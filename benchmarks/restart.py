@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             handle = runner.checkpoint(1)
             for future in handle.tier_futures.values():
                 future.result()
-            durable_memory_s = handle.stats.durable_s
+            durable_memory_s, captured_s = handle.stats.durable_s, handle.stats.capture_s
             runner.close()
             expected = state.digest()
             del state, runner
@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                      fmt_ratio(nvme_total / total), fmt_ratio(nvme_restore / restore))  # fmt: skip
     restarts.note("restart = spawning the process, importing torch and tierstate, building the model and a fresh "
                   "AdamW, the runner, restore('latest') with every checksum verified; restore() = the last part")
-    restarts.note(f"the checkpoint was durable in the memory tier {fmt_s(durable_memory_s)} after it was asked")
+    restarts.note(f"the checkpoint was captured into the host cache after {fmt_s(captured_s)} and durable in the "
+                  f"memory tier after {fmt_s(durable_memory_s)} ({gbps(nbytes, durable_memory_s):.2f} GB/s), written "
+                  "there straight from the cache's slabs (one copy per byte)")  # fmt: skip
     restarts.note("NVMe and PFS are two directories on the same virtual disk here")
     layouts_report = Report(
         "restart-blocked",
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         values = blocked[layout]
         layouts_report.add(layout, fmt_s(median(values)), fmt_s(max(values)), f"{median(values) / base:.2f}x")
     restarts.raw = {"state_bytes": nbytes, "times": times, "blocked": blocked, "dropped": can_drop,
-                    "durable_memory_s": durable_memory_s, "args": vars(args)}  # fmt: skip
+                    "durable_memory_s": durable_memory_s, "captured_s": captured_s, "args": vars(args)}  # fmt: skip
     publish("restart", [restarts, layouts_report], facts, argv, args.results_dir)
     return 0
 

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = command("init", "write an editable copy of a packaged config", [])
     n.add_argument("directory", nargs="?", default=".", help="where to write NAME.yaml (default: here)")
-    n.add_argument("--from", dest="name", default="default", metavar="NAME", help="default, tiered or compressed")
+    n.add_argument(
+        "--from", dest="name", default="default", metavar="NAME", help="default, tiered, compressed or cluster"
+    )
     n.add_argument("--force", action="store_true", help="replace the file if it exists")
     return parser
 

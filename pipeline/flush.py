@@ -132,7 +132,7 @@ class Flusher:
         self._align = int(config.align)
         workers = sum(t.policy.workers for t in self._targets) + 1  # + 1: retention runs beside the copies
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierstate-flush")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._prune_lock = asyncio.Lock()
         self.failures: list[FlushFailure] = []
 
@@ -159,7 +159,7 @@ class Flusher:
         if self._prunes:
             self._spawn(self._prune())
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         task = self._loop.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

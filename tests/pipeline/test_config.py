@@ -468,7 +468,7 @@ def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(missing)
     assert str(info.value) == (
-        f"{missing}: file not found (packaged configs, by name: compressed, default, tiered; "
+        f"{missing}: file not found (packaged configs, by name: cluster, compressed, default, tiered; "
         "`tierstate init` writes an editable copy)"
     )
 
