@@ -125,7 +125,7 @@ def test_a_packaged_config_by_name_unless_a_file_of_that_name_is_here(
     write(tmp_path, minimal(), name="tiered.yaml")  # the user's own file of that name wins
     assert load_config("tiered.yaml").tiers["pfs"].flush is None
     assert config_path("tiered.yaml") == Path("tiered.yaml")
-    with pytest.raises(ConfigError, match="^nosuch: file not found \\(packaged configs, by name: compressed, "):
+    with pytest.raises(ConfigError, match="^nosuch: file not found \\(packaged configs, by name: cluster, compr"):
         load_config("nosuch")
 
 
@@ -271,7 +271,8 @@ def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
 
 def test_unknown_key_without_close_match_lists_valid_keys(tmp_path: Path) -> None:
     data = minimal(tiers__nvme__colour="blue")
-    assert problems_of(tmp_path, data) == ["tiers.nvme.colour: unknown key (valid keys: path, scope, retention, flush)"]
+    valid = "path, kind, scope, size, retention, flush"
+    assert problems_of(tmp_path, data) == [f"tiers.nvme.colour: unknown key (valid keys: {valid})"]
 
 
 def test_wrong_type_names_expected_and_given(tmp_path: Path) -> None:
