@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--tier", action="append", metavar="NAME=PATH", help="a tier directory (repeatable)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables and lines")
+    common.add_argument(
+        "--node",
+        metavar="NAME",
+        help="read node-scoped tiers as node NAME sees them: {node} in a tier path is NAME "
+        "(default: $TIERSTATE_NODE, else the hostname)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -102,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = command("init", "write an editable copy of a packaged config", [])
     n.add_argument("directory", nargs="?", default=".", help="where to write NAME.yaml (default: here)")
-    n.add_argument("--from", dest="name", default="default", metavar="NAME", help="default, tiered or compressed")
+    n.add_argument(
+        "--from", dest="name", default="default", metavar="NAME", help="default, tiered, compressed or cluster"
+    )
     n.add_argument("--force", action="store_true", help="replace the file if it exists")
     return parser
 

@@ -34,6 +34,7 @@ from ..tiers.export import ExportFormat
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
 from ..tiers.hfdir import MAX_SHARD_SIZE
+from ..tiers.nodes import as_node
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import TierPolicies
 from ..tiers.stats import show_stats
@@ -50,7 +51,7 @@ _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 # --- tiers from --config and --tier -------------------------------------------------------------
 def _policies(name: str, tier: TierConfig) -> TierPolicies:
-    return TierPolicies(FilesystemTier(name, tier.path), tier.retention, tier.flush)
+    return TierPolicies(FilesystemTier(name, tier.path, tier.scope), tier.retention, tier.flush)
 
 
 def _tier_option(spec: str) -> TierPolicies:
@@ -76,7 +77,11 @@ def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[T
 
 
 def _tiers(args: argparse.Namespace) -> list[TierPolicies]:
-    return load_tiers(args.config, args.tier)
+    """The tiers of the options; with ``--node``, node-scoped tier paths are that node's (``{node}``)."""
+    if not args.node:
+        return load_tiers(args.config, args.tier)
+    with as_node(args.node):
+        return load_tiers(args.config, args.tier)
 
 
 def _must_exist(read: Sequence[FilesystemTier]) -> None:

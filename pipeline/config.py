@@ -115,12 +115,29 @@ class TierConfig(_Strict):
     the checkpoints the persist tier commits (see tiers/policy.py). ``scope: node``: each node has its
     own directory (local NVMe, memory), holding only its ranks' files; ``{node}`` in the path stands
     for the node's name (tiers/nodes.py). ``shared``: one directory every rank sees (PFS).
+
+    ``kind: memory``: a directory in host shared memory (a tmpfs such as ``/dev/shm``), whose
+    checkpoints outlive the training process (not the node) so a restart restores from RAM. It is
+    node-scoped (the default scope for it) and needs ``size``, the most bytes it may hold on a
+    node: host memory is the job's too. ``size`` bounds any tier; a checkpoint that would not fit
+    waits for the tier's older copies to be flushed and pruned, or fails naming this key.
     """
 
     path: Path
+    kind: Literal["disk", "memory"] = "disk"
     scope: Literal["node", "shared"] = "shared"
+    size: Annotated[ByteSize, _at_least(1)] | None = None
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _memory_is_node_scoped(cls, data: Any) -> Any:
+        # A memory tier is each node's own RAM, so that is its scope unless the YAML says otherwise
+        # (which _bounded_tier_problems then refuses, naming the key).
+        if isinstance(data, Mapping) and data.get("kind") == "memory" and "scope" not in data:
+            return {**data, "scope": "node"}
+        return data
 
     @field_validator("path", mode="before")
     @classmethod
@@ -282,6 +299,7 @@ class PipelineConfig(_Strict):
                 ))
         if not graph:  # these walk the chain, which a broken graph (a cycle, a dangling next) does not have
             problems += _tier_format_problems(self)
+        problems += _bounded_tier_problems(self)
         if self.host_cache.size < 2 * self.chunk_size:
             chunk = self.chunk_size.human_readable()
             problems.append((
@@ -343,6 +361,40 @@ def _tier_format_problems(config: PipelineConfig) -> list[tuple[str, str]]:
             f"pipeline.stages.{name}.codec",
             "format hdf5 stores datasets uncompressed; set codec: none (or use format: frames)",
         ))
+    return problems
+
+
+def _bounded_tier_problems(config: PipelineConfig) -> list[tuple[str, str]]:
+    """A memory tier must be node-scoped and bounded; a bounded tier needs retention to make room, and
+    room for at least a chunk. (Whether it holds a whole checkpoint is known only at the first
+    checkpoint: that fails naming ``tiers.NAME.size``, see pipeline/room.py.)"""
+    problems = []
+    for name, tier in config.tiers.items():
+        if tier.kind == "memory" and tier.scope != "node":
+            problems.append((
+                f"tiers.{name}.scope",
+                "a memory tier is each node's own host memory; it must be scope: node (its default)",
+            ))
+        if tier.kind == "memory" and tier.size is None:
+            problems.append((
+                f"tiers.{name}.size",
+                "a memory tier needs a size bound (e.g. size: 8GiB): the host memory it fills is the job's too; "
+                "give it room for keep_last + 1 checkpoints of this node (the kept ones and the one in flight)",
+            ))
+        if tier.size is None:
+            continue
+        if not tier.retention.active:
+            problems.append((
+                f"tiers.{name}.retention",
+                f"a tier with a size bound ({tier.size.human_readable()}) needs a retention policy "
+                "(e.g. {keep_last: 1}), or it is full after a few checkpoints",
+            ))
+        if tier.size < config.chunk_size:
+            problems.append((
+                f"tiers.{name}.size",
+                f"{tier.size.human_readable()} is smaller than chunk_size ({config.chunk_size.human_readable()}); "
+                "it cannot hold one checkpoint",
+            ))
     return problems
 
 

@@ -95,13 +95,15 @@ def restore_across_ranks(
         read = reader.read_step(step, copies, problems)
         if read is None:
             continue
-        tier, state = read
+        tier, state, served = read
         if problems:
             log.warning("restore: %s; restoring step %d", "; ".join(problems), step)
         _apply_on_every_rank(group, provider, state, f"restore step {step}")
         seconds = time.perf_counter() - started
         # bytes_read: this rank's reads, not the whole copy
-        return RestoreResult(step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems))
+        return RestoreResult(
+            step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems), served
+        )
     raise NoCheckpointError(unusable(wanted, fallback, problems))
 
 
@@ -236,8 +238,9 @@ class _CollectiveRead:
 
     def read_step(
         self, step: int, copies: list[FilesystemTier], problems: list[str]
-    ) -> tuple[FilesystemTier, dict[str, Any]] | None:
-        """This rank's state of ``step`` and the tier it came from, or None if the ranks cannot read it.
+    ) -> tuple[FilesystemTier, dict[str, Any], tuple[str, ...]] | None:
+        """This rank's state of ``step``, the tier it came from and the tier each rank read, or None if
+        the ranks cannot read it.
 
         In rounds, all ranks together: each rank reads its part from its current copy; if every
         rank read cleanly, that is the state; otherwise each rank that failed moves on to its next
@@ -247,16 +250,19 @@ class _CollectiveRead:
         current = 0
         while True:
             tier = copies[current]
-            state, failed = self._read_copy(step, tier, more=current + 1 < len(copies))
+            state, failed, served = self._read_copy(step, tier, more=current + 1 < len(copies))
             if not failed:
-                return tier, state
+                return tier, state, served
             problems += [f"step {step} on rank {rank}, tier {name}: {text}" for rank, text, name, _ in failed]
             if not all(more for *_, more in failed):
                 return None
             current += any(rank == self.group.rank for rank, *_ in failed)
 
-    def _read_copy(self, step: int, tier: FilesystemTier, more: bool) -> tuple[dict[str, Any], list[Failure]]:
-        """Collective: this rank's part of one copy, exchanged over the node, or every rank's failure to read it.
+    def _read_copy(
+        self, step: int, tier: FilesystemTier, more: bool
+    ) -> tuple[dict[str, Any], list[Failure], tuple[str, ...]]:
+        """Collective: this rank's part of one copy, exchanged over the node, or every rank's failure to read
+        it; and the tier each rank read.
 
         ``more`` says whether this rank has another copy of the step to try; it travels with the failures.
         """
@@ -290,13 +296,14 @@ class _CollectiveRead:
             text = None if problem is None else f"{type(problem).__name__}: {problem}"
             said = self.group.all_gather((text, tier.name, more), f"{where}: did every rank read its part")
             failed = [(rank, text, name, more) for rank, (text, name, more) in enumerate(said) if text is not None]
+            served = tuple(name for _, name, _ in said)
             if failed:
-                return {}, failed
+                return {}, failed, served
             assert view is not None  # every rank read its part, so every rank has its view
             self._exchange(where, regions, values, owner, sizes, ranks)
             if across:
                 self._exchange_objects(where, view, keys, values)
-        return {key: values[stored_key(key, view.items[key])] for key in keys}, []
+        return {key: values[stored_key(key, view.items[key])] for key in keys}, [], served
 
     def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
         """This rank's view, its tensor regions by stored key, and the shareable ones (see :data:`Offer`)."""

@@ -132,7 +132,7 @@ class Flusher:
         self._align = int(config.align)
         workers = sum(t.policy.workers for t in self._targets) + 1  # + 1: retention runs beside the copies
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierstate-flush")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._prune_lock = asyncio.Lock()
         self.failures: list[FlushFailure] = []
 
@@ -159,7 +159,7 @@ class Flusher:
         if self._prunes:
             self._spawn(self._prune())
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         task = self._loop.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -229,17 +229,27 @@ class Flusher:
             await asyncio.sleep(pause)  # another node's copy ends on its own schedule: nothing to wait on here
             pause = min(1.0, pause * 2)
 
-    async def _prune(self) -> None:
+    async def _prune(self) -> bool:
+        """One retention pass over the tiers this rank prunes; whether it deleted anything."""
         async with self._prune_lock:  # one pass at a time: each sees the deletions of the one before
             try:
                 prune_all = functools.partial(prune, only=self._role.prunes)
                 decisions = await run_blocking(self._pool, prune_all, self._policies)
             except Exception as exc:
                 log.error("retention failed: %s: %s", type(exc).__name__, exc)
-                return
+                return False
         for decision in decisions:
             if decision.delete:
                 log.info("retention: deleted step %d from %s (%s)", decision.step, decision.tier, decision.reason)
+        return any(decision.delete for decision in decisions)
+
+    async def settle(self) -> bool:
+        """For a bounded tier that is full (pipeline/room.py): wait until one pending flush or prune is
+        done (each flush prunes after it); with none pending, prune once. Whether room may have come free."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+            return True
+        return self._prunes and await self._prune()
 
     async def _idle(self) -> None:
         while self._tasks:

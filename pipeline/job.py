@@ -28,6 +28,7 @@ from .metrics import CheckpointStats, StageStats
 from .persist import TierWriter
 from .plan import CheckpointPlan, ChunkPlan
 from .retry import storage_call
+from .room import Room
 from .units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
 
 
@@ -43,6 +44,7 @@ class JobContext:
     copier: SlabCopier
     rank: int = 0
     commit: Commit | None = None  # None: this process alone commits on ``tier``
+    room: Room | None = None  # ``tier``'s size is bounded (a memory tier): reserve room before writing
 
 
 class CheckpointJob:
@@ -73,6 +75,8 @@ class CheckpointJob:
         partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, self.plan)
         self._to_capture = len(self.plan.chunks)  # with many ranks, only this rank's share
         try:
+            if self.ctx.room is not None:
+                await self.ctx.room.reserve(self.step, self.plan.tensor_bytes)
             if not self._to_capture:
                 self._captured()
             self._writer = await TierWriter.open(

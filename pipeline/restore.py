@@ -48,6 +48,14 @@ class RestoreResult:
     bytes_read: int
     seconds: float
     problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
+    tier_by_rank: tuple[str, ...] = ()  # the tier that served each rank's part, by rank (``tier`` is this rank's)
+
+
+def nearest_first(tiers: list[FilesystemTier]) -> list[FilesystemTier]:
+    """The order in which a rank looks for its copy of a step: this node's own tiers first (memory, then
+    NVMe, as the YAML lists them), then the shared ones (PFS). A partner node's copy of this node's
+    part (peer replicas) belongs between the two: slower than local storage, faster than the PFS."""
+    return [t for t in tiers if t.scope == "node"] + [t for t in tiers if t.scope != "node"]
 
 
 def checked_target(which: int | str) -> int | str:
@@ -141,7 +149,9 @@ def restore_into(
             provider.restore(state)
             seconds = time.perf_counter() - started
             problems = lost + problems
-            return RestoreResult(step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems))
+            return RestoreResult(
+                step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems), (tier.name,)
+            )
     problems = lost_steps(tiers, min(candidates), newest) + problems
     raise NoCheckpointError(unusable(candidates[0], fallback, problems))
 

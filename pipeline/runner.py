@@ -49,7 +49,8 @@ from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, 
 from .metrics import CheckpointStats, Outcome, RunMetrics
 from .plan import CheckpointPlan, plan_checkpoint
 from .registration import provider_for
-from .restore import RestoreResult, restore_into
+from .restore import RestoreResult, nearest_first, restore_into
+from .room import Room
 from .tierpaths import check_tier_paths
 
 log = logging.getLogger("tierstate")
@@ -108,7 +109,7 @@ class Runner:
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
-        self.tiers = [FilesystemTier(name, tier.path) for name, tier in config.tiers.items()]
+        self.tiers = [FilesystemTier(name, tier.path, tier.scope) for name, tier in config.tiers.items()]
         pinned = config.host_cache.pinned
         if pinned == "auto":
             pinned = torch.cuda.is_available()
@@ -140,6 +141,12 @@ class Runner:
         # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
         self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
         self.flush_failures: list[FlushFailure] = []
+        persist = config.tiers[config.persist_tier]
+        self._room = (
+            Room(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._io)
+            if persist.size is not None
+            else None
+        )
         # Not atexit.register: at interpreter exit the thread pools refuse new work before atexit
         # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
         # hooks run earlier, newest first, so this one runs before the pools shut down.
@@ -208,6 +215,13 @@ class Runner:
         name = self.config.persist_tier
         return next(t for t in self.tiers if t.name == name)
 
+    def _node_ranks(self) -> int:
+        """How many ranks write into this node's directory of a node-scoped tier (all: a shared one)."""
+        if self._group is None:
+            return 1
+        scoped = self.config.tiers[self.config.persist_tier].scope == "node"
+        return len(self._group.node_ranks) if scoped else self._group.world_size
+
     # --- checkpoint ---------------------------------------------------------------------------
     def checkpoint(self, step: int) -> CheckpointHandle:
         """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O.
@@ -264,8 +278,9 @@ class Runner:
                 else None
             )
             ctx = JobContext(
-                self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit
-            )
+                self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit,
+                self._room,
+            )  # fmt: skip
             job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured, handle.stats)
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)
@@ -379,15 +394,17 @@ class Runner:
 
     # --- restore ------------------------------------------------------------------------------
     def restore(self, which: int | str = "latest", fallback: bool = False) -> RestoreResult:
-        """Load a committed checkpoint into the registered providers, in place; fastest tier first.
+        """Load a committed checkpoint into the registered providers, in place; nearest copy first
+        (this node's memory and NVMe, then the shared tiers), falling back on a missing or corrupt one.
 
         ``fallback=True``: if no copy of ``which`` reads clean, take the newest older step that does.
         """
         self.wait()
         allow_pickle = self.config.policies.allow_pickle
+        tiers = nearest_first(self.tiers)
         if self._group is not None:
-            return restore_across_ranks(self._group, self.providers, self.tiers, which, allow_pickle, fallback)
-        return restore_into(self.providers, self.tiers, which, allow_pickle=allow_pickle, fallback=fallback)
+            return restore_across_ranks(self._group, self.providers, tiers, which, allow_pickle, fallback)
+        return restore_into(self.providers, tiers, which, allow_pickle=allow_pickle, fallback=fallback)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

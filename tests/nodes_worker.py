@@ -3,7 +3,9 @@
 Usage (one launch per node, ``TIERSTATE_NODE`` naming it): ``torchrun --nnodes=2 --nproc_per_node=1
 --node_rank=I --master_addr=127.0.0.1 --master_port=P tests/nodes_worker.py WORKDIR SCENARIO...``.
 The NVMe tier is ``WORKDIR/nodes/{node}/nvme`` (scope: node): no rank looks into another node's.
-The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. What a rank saw goes to
+The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. The ``train`` and ``resume``
+scenarios write to a memory tier first (``WORKDIR/nodes/{node}/memory``, kind: memory, keep_last: 1),
+which flushes to both; ``train-last`` persists to NVMe. What a rank saw goes to
 ``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
 """
 
@@ -31,13 +33,17 @@ SAVED_AT = (2, 4)
 GROUP_TIMEOUT_S = 20  # also how long a node waits for the others' parts on the PFS
 
 
-def _runner(workdir: Path) -> Runner:
-    settings = {
-        "tiers": {
-            "nvme": {"path": str(workdir / "nodes" / "{node}" / "nvme"), "scope": "node"},
-            "pfs": {"path": str(workdir / "pfs"), "flush": {"every": 1}},
-        }
+def _runner(workdir: Path, memory: bool = True) -> Runner:
+    node = workdir / "nodes" / "{node}"
+    tiers = {
+        "nvme": {"path": str(node / "nvme"), "scope": "node"},
+        "pfs": {"path": str(workdir / "pfs"), "flush": {"every": 1}},
     }
+    if memory:
+        bound = {"size": "64MiB", "retention": {"keep_last": 1}}
+        tiers = {"memory": {"kind": "memory", "path": str(node / "memory"), **bound}, **tiers}
+        tiers["nvme"]["flush"] = {"every": 1}
+    settings = {"tiers": tiers, "pipeline.stages.persist.tier": next(iter(tiers))}
     return Runner.from_yaml(CONFIG, settings, group_timeout=GROUP_TIMEOUT_S)
 
 
@@ -65,12 +71,12 @@ def _register(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, coun
     )
 
 
-def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT) -> dict[str, Any]:
+def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory: bool = True) -> dict[str, Any]:
     """Eight DDP steps, checkpoints after steps 2 and 4; the losses after step 4 are the reference."""
     model, opt = _ddp(seed=0)
     torch.manual_seed(100 + rank)
     counter = {"step": 0}
-    runner = _runner(workdir)
+    runner = _runner(workdir, memory)
     _register(runner, model, opt, counter)
     handles, losses = [], []
     for step in range(1, STEPS + 1):
@@ -83,6 +89,7 @@ def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT) -> dic
         "losses": losses[saved_at[-1] :],
         "paths": [str(h.result().path) if h.exception() is None else f"failed: {h.exception()}" for h in handles],
         "persisted": [h.persisted("pfs") for h in handles],
+        "on_nvme": [h.persisted("nvme") for h in handles],
         "flush_errors": [str(f) for f in runner.flush_failures],
     }
 
@@ -97,14 +104,15 @@ def resume(workdir: Path, rank: int) -> dict[str, Any]:
     result = runner.restore("latest")
     losses = [_step(model, opt) for _ in range(counter["step"], STEPS)]
     runner.close()
-    return {"step": counter["step"], "tier": result.tier, "losses": losses}
+    return {"step": counter["step"], "tier": result.tier, "tier_by_rank": list(result.tier_by_rank), "losses": losses}
 
 
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "train": train,
     "resume": resume,
-    # One checkpoint after the last step: a node that dies flushing it takes no training down with it.
-    "train-last": functools.partial(train, saved_at=(STEPS,)),
+    "resume-again": resume,  # after more copies were wiped
+    # One checkpoint after the last step, on NVMe: a node that dies flushing it takes no training down with it.
+    "train-last": functools.partial(train, saved_at=(STEPS,), memory=False),
 }
 
 

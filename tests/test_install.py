@@ -68,7 +68,7 @@ def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unr
                    check=True, capture_output=True, timeout=600)  # fmt: skip
     [wheel] = dist.glob("tierstate-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"tierstate/configs/{name}.yaml" for name in ("default", "tiered", "compressed")} <= set(names)
+    assert {f"tierstate/configs/{name}.yaml" for name in ("default", "tiered", "compressed", "cluster")} <= set(names)
     assert {"tierstate/py.typed", f"tierstate-{tierstate.__version__}.dist-info/licenses/LICENSE"} <= set(names)
     metadata = zipfile.ZipFile(wheel).read(f"tierstate-{tierstate.__version__}.dist-info/METADATA").decode()
     for field in ("License-Expression: Apache-2.0", "Requires-Dist: torch>=2.5", "Classifier: Typing :: Typed",

@@ -23,6 +23,9 @@ def summary(manifest: Manifest) -> dict[str, Any]:
         "stored_bytes": manifest.stored_bytes,
         "files": len(manifest.files),
         "ranks": manifest.world_size,
+        # On a node-scoped tier, one node's part of a multi-rank checkpoint: the node and its ranks.
+        "node": manifest.node_part.node if manifest.node_part else None,
+        "node_ranks": manifest.node_part.ranks if manifest.node_part else None,
     }
 
 
@@ -98,7 +101,9 @@ def state_text(entry: dict[str, Any]) -> str:
         return f"{entry['state']} ({_age(entry['age_s'])} old)"
     if entry["state"] == "invalid":
         return f"invalid ({entry['error']})"
-    return entry["state"] + (", flushed" if entry.get("flushed") else "")
+    ranks = ", ".join(map(str, entry.get("node_ranks") or []))
+    part = f", node {entry['node']}'s part (ranks {ranks})" if entry.get("node") else ""
+    return entry["state"] + (", flushed" if entry.get("flushed") else "") + part
 
 
 def _age(seconds: float) -> str:

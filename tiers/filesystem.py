@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tierstate.errors import TierstateError
 
@@ -117,10 +118,17 @@ class _WriterLocks:
     partials: dict[int, HeldLock] = field(default_factory=dict)
 
 
+Scope = Literal["node", "shared"]
+
+
 @dataclass(frozen=True)
 class FilesystemTier:
+    """``scope``: ``node`` when each node has its own directory (local NVMe, a memory tier), holding only
+    its ranks' part of a multi-rank checkpoint; ``shared`` when every rank sees the one directory."""
+
     name: str
     root: Path
+    scope: Scope = "shared"
     _locks: _WriterLocks = field(default_factory=_WriterLocks, init=False, repr=False, compare=False)
 
     def step_dir(self, step: int) -> Path:
@@ -259,6 +267,19 @@ class FilesystemTier:
         if manifest.step != step:
             raise ManifestError(f"{self.step_dir(step)}: manifest is for step {manifest.step}")
         return manifest
+
+    def bytes_used(self) -> int:
+        """The space this tier's checkpoints and partials take (allocated blocks, as du counts them;
+        alignment holes are free), for a tier whose size is bounded (a memory tier)."""
+        used = 0
+        for entry in self.entries():
+            if entry.is_dir(follow_symlinks=False):
+                try:
+                    with os.scandir(entry.path) as listing:
+                        used += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in listing)
+                except FileNotFoundError:
+                    continue  # deleted or committed (renamed) meanwhile
+        return used
 
     def partials(self) -> list[Path]:
         """Partial directories (real ones: a symlink named so is :meth:`invalid`)."""

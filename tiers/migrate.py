@@ -336,9 +336,10 @@ def migrate(
     """Copy (``move``: then delete from ``source``) committed checkpoint ``step`` to ``target``.
 
     ``fmt`` rewrites it as ``frames`` or ``hdf5`` (also a copy the target holds in the other format);
-    None keeps its format. A node's part (on a node-scoped tier) is copied as one part of the global
-    checkpoint, published once every node's part is on ``target`` (``waiting_for`` names the nodes
-    still missing). Raises MigrateError,
+    None keeps its format. A node's part (on a node-scoped tier) is copied to a shared ``target`` as
+    one part of the global checkpoint, published once every node's part is there (``waiting_for``
+    names the nodes still missing); to another node-scoped tier (memory to NVMe) it is copied as it
+    is, a part again. Raises MigrateError,
     CorruptCheckpointError (the source is damaged), ManifestError or OSError; never leaves the
     target with a committed but incomplete checkpoint.
     """
@@ -364,7 +365,7 @@ def migrate(
                 problems = verify_directory(report.path, existing)
                 if problems:
                     raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
-        elif manifest.node_part is not None:
+        elif manifest.node_part is not None and target.scope == "shared":
             _publish_part(source_dir, manifest, target, report, wanted, pacer, progress)
         else:
             _publish(source_dir, manifest, target, report, wanted, align, pacer, progress, existing is not None)

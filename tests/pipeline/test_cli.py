@@ -182,7 +182,8 @@ def test_init_writes_an_editable_copy_of_a_packaged_config(tmp_path, capsys) -> 
     assert cli.main(["init", str(tmp_path), "--from", "tiered"]) == 0
     assert load_config(str(tmp_path / "tiered.yaml")).tiers["pfs"].flush is not None
     assert cli.main(["init", str(tmp_path), "--from", "fast"]) == 2
-    assert "--from 'fast': no such packaged config (packaged: compressed, default, tiered)" in capsys.readouterr().err
+    refused = "--from 'fast': no such packaged config (packaged: cluster, compressed, default, tiered)"
+    assert refused in capsys.readouterr().err
 
 
 def test_a_tier_directory_that_is_not_there_is_an_error_not_an_empty_list(tmp_path, monkeypatch, capsys) -> None:

@@ -108,7 +108,7 @@ def test_no_argument_is_the_packaged_default_with_tiers_under_the_working_direct
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # no configs/ here: the packaged files are read, wherever tierstate lives
-    assert packaged_configs() == ["compressed", "default", "tiered"]
+    assert packaged_configs() == ["cluster", "compressed", "default", "tiered"]
     cfg = load_config()
     assert cfg == load_config(CONFIGS / "default.yaml")
     assert {name: tier.path for name, tier in cfg.tiers.items()} == {
@@ -125,7 +125,7 @@ def test_a_packaged_config_by_name_unless_a_file_of_that_name_is_here(
     write(tmp_path, minimal(), name="tiered.yaml")  # the user's own file of that name wins
     assert load_config("tiered.yaml").tiers["pfs"].flush is None
     assert config_path("tiered.yaml") == Path("tiered.yaml")
-    with pytest.raises(ConfigError, match="^nosuch: file not found \\(packaged configs, by name: compressed, "):
+    with pytest.raises(ConfigError, match="^nosuch: file not found \\(packaged configs, by name: cluster, compr"):
         load_config("nosuch")
 
 
@@ -271,7 +271,8 @@ def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
 
 def test_unknown_key_without_close_match_lists_valid_keys(tmp_path: Path) -> None:
     data = minimal(tiers__nvme__colour="blue")
-    assert problems_of(tmp_path, data) == ["tiers.nvme.colour: unknown key (valid keys: path, scope, retention, flush)"]
+    valid = "path, kind, scope, size, retention, flush"
+    assert problems_of(tmp_path, data) == [f"tiers.nvme.colour: unknown key (valid keys: {valid})"]
 
 
 def test_wrong_type_names_expected_and_given(tmp_path: Path) -> None:
@@ -468,7 +469,7 @@ def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(missing)
     assert str(info.value) == (
-        f"{missing}: file not found (packaged configs, by name: compressed, default, tiered; "
+        f"{missing}: file not found (packaged configs, by name: cluster, compressed, default, tiered; "
         "`tierstate init` writes an editable copy)"
     )
 

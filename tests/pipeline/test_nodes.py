@@ -1,14 +1,17 @@
 """Two nodes, for real: two ``torchrun`` launches (one rank each) with their own NVMe directory.
 
-Each launch is a node (``TIERSTATE_NODE=n0`` / ``n1``); the NVMe tier is ``nodes/{node}/nvme``
-(scope: node), the PFS one directory both see. The ranks train a DDP model with per-rank RNG (see
-tests/nodes_worker.py), checkpoint at steps 2 and 4, and a second pair of launches restores.
+Each launch is a node (``TIERSTATE_NODE=n0`` / ``n1``); checkpoints go to a memory tier
+(``nodes/{node}/memory``), then to NVMe (``nodes/{node}/nvme``, scope: node) and the PFS, one
+directory both see. The ranks train a DDP model with per-rank RNG (see tests/nodes_worker.py),
+checkpoint at steps 2 and 4, and later pairs of launches restore, each rank from its nearest copy,
+with more of the node-local copies wiped each time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO
+from tierstate.pipeline import cli
 from tierstate.tiers.faults import ENV as FAULT_ENV
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate
@@ -66,32 +70,43 @@ def facts(workdir: Path, scenario: str, ranks: tuple[int, ...] = (0, 1)) -> list
 
 
 def nvme(workdir: Path, node: str) -> FilesystemTier:
-    return FilesystemTier("nvme", workdir / "nodes" / node / "nvme")
+    return FilesystemTier("nvme", workdir / "nodes" / node / "nvme", "node")
+
+
+def memory(workdir: Path, node: str) -> FilesystemTier:
+    return FilesystemTier("memory", workdir / "nodes" / node / "memory", "node")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("nodes")
     two_nodes(workdir, "train")
+    held = {node: memory(workdir, node).steps() for node in ("n0", "n1")}
+    (workdir / "memory-after-train.json").write_text(json.dumps(held))
+    shutil.rmtree(memory(workdir, "n1").root)  # n1 rebooted: its memory tier is gone
     two_nodes(workdir, "resume")  # a new job on the same nodes
+    shutil.rmtree(memory(workdir, "n0").root)  # n0 rebooted too
+    shutil.rmtree(nvme(workdir, "n1").root)  # and n1 was replaced: its NVMe is empty
+    two_nodes(workdir, "resume-again")
     return workdir
 
 
-def test_each_node_commits_its_own_part_on_its_own_nvme(trained):
+def test_each_node_commits_its_own_part_in_its_memory_then_on_its_own_nvme(trained):
     for rank, seen in enumerate(facts(trained, "train")):
-        assert seen["paths"] == [str(nvme(trained, f"n{rank}").step_dir(s)) for s in (2, 4)]
-    for rank, node in enumerate(("n0", "n1")):
-        tier = nvme(trained, node)
-        assert tier.steps() == [2, 4]
-        assert sorted(p.name for p in tier.step_dir(4).iterdir()) == [
-            "manifest.json", f"rank-0000{rank}.data", f"rank-0000{rank}.index", "received-pfs.json",
-        ]  # fmt: skip  (the receipt: the PFS holds this node's part)
-        part = tier.manifest(4)
-        assert part.node_part is not None
-        assert (part.node_part.node, part.node_part.ranks, part.node_part.nodes) == (node, [rank], ["n0", "n1"])
-        assert list(part.files) == [f"rank-0000{rank}.data"]
-        assert part.items["rng/torch"].kind == "per_rank" and "model/module.0.weight" in part.items
-        assert verify_step(tier, 4).ok
+        assert seen["paths"] == [str(memory(trained, f"n{rank}").step_dir(s)) for s in (2, 4)]
+        assert seen["on_nvme"] == [True, True]
+    # keep_last: 1, and step 2 reached NVMe and the PFS: only step 4 stayed in memory
+    assert json.loads((trained / "memory-after-train.json").read_text()) == {"n0": [4], "n1": [4]}
+    tier = nvme(trained, "n0")  # (n1's was wiped before the last restart)
+    assert tier.steps() == [2, 4]
+    files = sorted(p.name for p in tier.step_dir(4).iterdir())
+    assert files == ["manifest.json", "rank-00000.data", "rank-00000.index", "verified.json"]  # a copy: verified
+    part = tier.manifest(4)
+    assert part.node_part is not None
+    assert (part.node_part.node, part.node_part.ranks, part.node_part.nodes) == ("n0", [0], ["n0", "n1"])
+    assert list(part.files) == ["rank-00000.data"]
+    assert part.items["rng/torch"].kind == "per_rank" and "model/module.0.weight" in part.items
+    assert verify_step(tier, 4).ok
 
 
 def test_the_pfs_gets_the_global_checkpoint_and_every_rank_hears_of_it(trained):
@@ -101,18 +116,32 @@ def test_the_pfs_gets_the_global_checkpoint_and_every_rank_hears_of_it(trained):
         manifest = pfs.manifest(step)
         assert manifest.node_part is None and manifest.world_size == 2
         assert sorted(manifest.files) == ["rank-00000.data", "rank-00001.data"]
-        assert manifest.items == nvme(trained, "n1").manifest(step).items
+        assert manifest.items == nvme(trained, "n0").manifest(step).items
         assert verify_step(pfs, step).ok
     for seen in facts(trained, "train"):
         assert seen["persisted"] == [True, True] and seen["flush_errors"] == []
 
 
-def test_restart_restores_from_nvme_and_resumes_the_same_losses(trained):
-    for before, after in zip(facts(trained, "train"), facts(trained, "resume"), strict=True):
-        assert after["step"] == 4 and after["tier"] == "nvme"
-        assert after["losses"] == before["losses"]
+def test_restart_restores_each_rank_from_its_nearest_copy_and_resumes_the_same_losses(trained):
     reference = facts(trained, "train")
+    # n1's memory gone: rank 0 reads its memory, rank 1 its NVMe; then n0's memory and n1's NVMe gone:
+    # rank 0 reads its NVMe, rank 1 the PFS. Every rank knows which tier served each.
+    for scenario, served in (("resume", ["memory", "nvme"]), ("resume-again", ["nvme", "pfs"])):
+        for rank, (before, after) in enumerate(zip(reference, facts(trained, scenario), strict=True)):
+            assert after["step"] == 4
+            assert (after["tier"], after["tier_by_rank"]) == (served[rank], served), scenario
+            assert after["losses"] == before["losses"], scenario
     assert reference[0]["losses"] != reference[1]["losses"]  # each rank its own data: RNG per rank came back
+
+
+def test_the_cli_lists_and_verifies_one_nodes_view(trained, capsys):
+    tiers = ["--tier", f"nvme={trained / 'nodes' / '{node}' / 'nvme'}", "--tier", f"pfs={trained / 'pfs'}"]
+    assert cli.main(["ls", "--json", "--node", "n0", *tiers]) == 0
+    listed = [(e["tier"], e["step"], e["node"]) for e in json.loads(capsys.readouterr().out)]
+    assert listed == [("nvme", 2, "n0"), ("nvme", 4, "n0"), ("pfs", 2, None), ("pfs", 4, None)]
+    assert cli.main(["ls", "--node", "n0", *tiers]) == 0
+    assert "verified, flushed, node n0's part (ranks 0)" in capsys.readouterr().out  # verified: a flushed copy
+    assert cli.main(["verify", "--node", "n0", *tiers]) == 0
 
 
 def test_a_node_killed_during_its_flush_leaves_no_global_checkpoint_until_its_part_is_there(tmp_path):
