@@ -13,7 +13,7 @@ import torch
 
 from .base import require_keys
 from .fit import misfits, require_fit
-from .items import Changes, TensorItem
+from .items import Changes, TensorBatch, TensorItem
 
 OWNER = "TensorDictProvider"
 
@@ -32,6 +32,10 @@ class TensorDictProvider:
 
     def describe(self) -> list[TensorItem]:
         return [TensorItem(key, t, changes=self.changes) for key, t in self.tensors.items()]
+
+    def tensor_batch(self) -> TensorBatch:
+        """What ``describe`` would describe, as two tuples: lets the runner reuse its plan (plan_cache.py)."""
+        return TensorBatch(tuple(self.tensors), tuple(self.tensors.values()), self.changes)
 
     def check(self, state: Mapping[str, Any]) -> None:
         """Every name present, each value of its tensor's shape and dtype: a byte copy would take any same-sized one."""
