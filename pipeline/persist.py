@@ -25,8 +25,8 @@ from .retry import RetryPolicy, storage_call
 
 def plan_layout(plan: CheckpointPlan) -> Layout:
     """What this rank's data file holds, as its container needs to know it before the bytes arrive."""
-    fixed = plan.layouts
-    tensors = {item.key: fixed.get(item.key) or tensor_layout(item) for item in plan.tensors}
+    fixed = plan.layouts  # a reused plan's, worked out once
+    tensors = {**fixed, **{item.key: tensor_layout(item) for item in plan.tensors if item.key not in fixed}}
     objects = {item.key: item.serializer for item in plan.objects}
     return Layout(tensors, objects, dict(plan.aliases))
 

@@ -37,6 +37,8 @@ from ..providers.items import Item, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
 
+_FORM = operator.attrgetter("dtype", "shape", "device")  # what a plan fixes of a tensor
+
 
 class PlanChangedError(TierstateError, RuntimeError):
     """A planned tensor changed dtype, shape or device in place while its checkpoint was being taken."""
@@ -96,7 +98,8 @@ class Entry:
     where: dict[str, tuple[int, int]]
     eager_bytes: int
     uncovered: tuple[str, ...]
-    planned: list[tuple[torch.Tensor, torch.dtype, torch.Size, torch.device]] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)  # every planned tensor, lazy ones too
+    forms: list[tuple[torch.dtype, torch.Size, torch.device]] = field(default_factory=list)  # as planned
     invalid: bool = False
 
     def matches(self, batches: dict[str, TensorBatch], covered: frozenset[int]) -> bool:
@@ -116,9 +119,12 @@ class Entry:
 
     def __call__(self) -> None:
         """In the background, before capture: every planned tensor still has its planned dtype, shape and device."""
-        for tensor, dtype, shape, device in self.planned:
-            if tensor.dtype != dtype or tensor.shape != shape or tensor.device != device:
+        if list(map(_FORM, self.tensors)) == self.forms:  # a C loop: ~0.2 s less for 10^5 tensors
+            return
+        for tensor, form in zip(self.tensors, self.forms, strict=True):
+            if _FORM(tensor) != form:
                 self.invalid = True
+                dtype, shape, device = form
                 raise PlanChangedError(
                     f"a tensor planned as {dtype} {list(shape)} on {device} is now {tensor.dtype} "
                     f"{list(tensor.shape)} on {tensor.device}: it was changed in place (t.data = ..., resize_) "
@@ -213,10 +219,13 @@ def _build(
         index, group = groups[form]
         where[item.key] = (index, len(group.tensors) * item.nbytes)
         group.tensors.append(item.tensor)
-    planned = [(i.tensor, i.tensor.dtype, i.tensor.shape, i.tensor.device) for i in plan.tensors]
+    planned = [item.tensor for item in plan.tensors]
     uncovered = tuple(item.key for item in eager if item.changes == "step")
     eager_groups = [group for _, group in groups.values()]
-    return Entry(batches, covered, plan, eager_groups, where, sum(i.nbytes for i in eager), uncovered, planned)
+    eager_bytes = sum(i.nbytes for i in eager)
+    return Entry(
+        batches, covered, plan, eager_groups, where, eager_bytes, uncovered, planned, list(map(_FORM, planned))
+    )
 
 
 def _combine(first: CheckpointPlan, second: CheckpointPlan) -> CheckpointPlan:
