@@ -104,18 +104,7 @@ class Entry:
 
     def matches(self, batches: dict[str, TensorBatch], covered: frozenset[int]) -> bool:
         """Same providers, keys, ``changes`` and tensor objects, same coverage: C loops, no per-item Python."""
-        if self.invalid or covered is not self.covered or batches.keys() != self.batches.keys():
-            return False
-        for path, batch in batches.items():
-            old = self.batches[path]
-            if (
-                batch.changes != old.changes
-                or len(batch.tensors) != len(old.tensors)
-                or batch.keys != old.keys
-                or not all(map(operator.is_, batch.tensors, old.tensors))
-            ):
-                return False
-        return True
+        return not self.invalid and covered is self.covered and same_batches(batches, self.batches)
 
     def __call__(self) -> None:
         """In the background, before capture: every planned tensor still has its planned dtype, shape and device."""
@@ -132,18 +121,37 @@ class Entry:
                 )
 
 
+def same_batches(new: dict[str, TensorBatch], old: dict[str, TensorBatch]) -> bool:
+    """Whether ``new`` lists the very tensor objects of ``old``, under the same keys and ``changes``."""
+    if new.keys() != old.keys():
+        return False
+    for path, batch in new.items():
+        was = old[path]
+        if (
+            batch.changes != was.changes
+            or len(batch.tensors) != len(was.tensors)
+            or batch.keys != was.keys
+            or not all(map(operator.is_, batch.tensors, was.tensors))
+        ):
+            return False
+    return True
+
+
 class PlanCache:
     """The runner's one cached plan (one checkpoint is in flight at a time, so one is enough)."""
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
         self._entry: Entry | None = None
+        # Batches that cannot be planned for reuse (a GPU tensor, a dtype stack cannot copy): not
+        # described twice per checkpoint while they stay the same.
+        self._refused: dict[str, TensorBatch] | None = None
 
     def prepare(self, providers: CompositeProvider, rules: CaptureRules) -> Prepared | None:
         """The plan and the eager copies of this checkpoint, or None when no provider offers a batch."""
         leaves = providers.leaves()
         batches = {path: leaf.tensor_batch() for path, leaf in leaves if hasattr(leaf, "tensor_batch")}
-        if not batches:
+        if not batches or (self._refused is not None and same_batches(batches, self._refused)):
             return None
         covered = rules.covered()
         entry = self._entry
@@ -152,11 +160,9 @@ class PlanCache:
             stacks = _stack_all(entry.groups)
         if stacks is None:
             entry = self._entry = _build(batches, dict(leaves), rules, covered, self.chunk_size)
-            if entry is None:
-                return None
-            stacks = _stack_all(entry.groups)
-            if stacks is None:  # changed between describe and stack: another thread is at work; plain path
-                self._entry = None
+            stacks = _stack_all(entry.groups) if entry is not None else None
+            if entry is None or stacks is None:
+                self._entry, self._refused = None, batches
                 return None
         others = [_prefixed(path, item) for path, leaf in leaves if path not in batches for item in leaf.describe()]
         rest = plan_checkpoint(others, self.chunk_size)
