@@ -75,3 +75,31 @@ def test_a_dtype_narrowed_in_place_never_saves_a_wrong_dtype(make_runner: Callab
     runner.checkpoint(3).result()  # planned afresh
     assert _equal(_restored(runner, tensors, 3), expected)
     assert runner.steps()["nvme"] == [1, 3]
+
+
+def test_a_reused_plan_mixes_with_described_providers(make_runner: Callable[..., Runner]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    ema = _tensors(200, seed=1)
+    runner = make_runner(**SLOW)
+    runner.register(model=model, optim=opt, ema=TensorDictProvider(ema))
+
+    def train() -> None:
+        model(torch.randn(8, 256)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for t in ema.values():
+            t.mul_(0.5)
+
+    expected = {}
+    for step in range(1, 4):
+        train()
+        expected[step] = ({k: v.clone() for k, v in model.state_dict().items()}, {k: t.clone() for k, t in ema.items()})
+        handle = runner.checkpoint(step)
+        train()  # BatchNorm statistics and the EMA change at once; the optimizer step waits for the capture
+        handle.result()
+    for step in range(1, 4):
+        train()
+        assert _equal(_restored(runner, ema, step), expected[step][1])
+        assert _equal(dict(model.state_dict()), expected[step][0])
