@@ -9,12 +9,16 @@ thread synchronizes on, never the trainer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from ..tiers import faults
 from ..tiers.hostcache import Slab
 from .plan import ChunkPlan, TensorPiece
+from .plan_cache import EagerSources
 from .units import Chunk, ChunkEntry
 
 
@@ -36,25 +40,36 @@ class SlabCopier:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def copy(self, plan: ChunkPlan, slab: Slab, ready: torch.cuda.Event | None) -> Chunk:
-        """Copy every piece of ``plan`` into ``slab``; returns when the bytes are in host memory."""
+    def copy(
+        self, plan: ChunkPlan, slab: Slab, ready: torch.cuda.Event | None, sources: EagerSources | None = None
+    ) -> Chunk:
+        """Copy every piece of ``plan`` into ``slab``; returns when the bytes are in host memory.
+
+        ``sources``: where the items copied in batches on the trainer's thread have their bytes (plan_cache.py).
+        """
+        where = sources.where if sources is not None else {}
+        program = plan.program
+        if program is None or program.where is not where:  # worked out once per chunk of a reused plan
+            program = plan.program = CopyProgram.of(plan, where)
         dst = slab.tensor
         dst_bytes = dst.numpy()  # once per chunk: a chunk may hold thousands of small tensors
-        end = 0
+        for start, end in program.zeros:
+            dst_bytes[start:end] = 0  # alignment padding: no stale bytes on disk
+        if sources is not None:
+            for group, src, at, length in program.runs:
+                np.copyto(dst_bytes[at : at + length], sources.stacks[group][src : src + length])
         gpu_pieces = []
-        for piece in plan.pieces:
-            if piece.chunk_offset > end:
-                dst_bytes[end : piece.chunk_offset] = 0  # alignment padding: no stale bytes on disk
-            end = piece.chunk_offset + piece.length
+        for piece in program.pieces:
             if piece.item.tensor.is_cuda:
                 gpu_pieces.append(piece)
             else:
                 _copy_host_piece(piece, dst, dst_bytes)
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
-        entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
         faults.point("capture")
-        return Chunk(entries=entries, raw=slab.view(plan.nbytes), slab=slab, element_size=_dominant_element_size(plan))
+        return Chunk(
+            entries=program.entries, raw=slab.view(plan.nbytes), slab=slab, element_size=program.element_size
+        )
 
     def _copy_from_gpu(self, pieces: list[TensorPiece], dst: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         done = []
@@ -73,6 +88,43 @@ class SlabCopier:
                 done.append(event)
         for event in done:
             event.synchronize()
+
+
+@dataclass
+class CopyProgram:
+    """One chunk's copies, worked out once and kept on its plan (a reused plan runs it every checkpoint):
+    runs out of the eager stacks, merged where both sides are contiguous; pieces copied from their
+    items' tensors; alignment gaps to zero; the entries the container records."""
+
+    where: Mapping[str, tuple[int, int]]  # the eager sources it was made for
+    entries: list[ChunkEntry]
+    zeros: list[tuple[int, int]]
+    runs: list[tuple[int, int, int, int]]  # (stack, start in it, start in the chunk, length)
+    pieces: list[TensorPiece]
+    element_size: int
+
+    @classmethod
+    def of(cls, plan: ChunkPlan, where: Mapping[str, tuple[int, int]]) -> CopyProgram:
+        zeros: list[tuple[int, int]] = []
+        runs: list[tuple[int, int, int, int]] = []
+        pieces: list[TensorPiece] = []
+        end = 0
+        for piece in plan.pieces:
+            if piece.chunk_offset > end:
+                zeros.append((end, piece.chunk_offset))
+            end = piece.chunk_offset + piece.length
+            place = where.get(piece.item.key)
+            if place is None:
+                pieces.append(piece)
+                continue
+            group, src = place[0], place[1] + piece.item_offset
+            last = runs[-1] if runs else None
+            if last is not None and (last[0], last[1] + last[3], last[2] + last[3]) == (group, src, piece.chunk_offset):
+                runs[-1] = (group, last[1], last[2], last[3] + piece.length)
+            else:
+                runs.append((group, src, piece.chunk_offset, piece.length))
+        entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
+        return cls(where, entries, zeros, runs, pieces, _dominant_element_size(plan))
 
 
 def _dominant_element_size(plan: ChunkPlan) -> int:

@@ -27,6 +27,7 @@ from .config import CompressStage, PersistStage, PipelineConfig
 from .metrics import CheckpointStats, StageStats
 from .persist import TierWriter
 from .plan import CheckpointPlan, ChunkPlan
+from .plan_cache import EagerSources
 from .retry import storage_call
 from .room import Room
 from .units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
@@ -56,14 +57,20 @@ class CheckpointJob:
         ready: torch.cuda.Event | None,
         on_captured: Callable[[], None],
         stats: CheckpointStats,
+        sources: EagerSources | None = None,
+        verify: Callable[[], None] | None = None,
     ) -> None:
-        """``stats``: the handle's, which this job fills in (the trainer's side is already there)."""
+        """``stats``: the handle's, which this job fills in (the trainer's side is already there);
+        ``sources``: the eager copies made in batches (plan_cache.py); ``verify``: runs in the
+        background before any capture, and fails the checkpoint if the plan no longer fits the tensors."""
         self.ctx = ctx
         self.step = step
         self.plan = plan
         self.ready = ready
         self.on_captured = on_captured
         self.stats = stats
+        self.sources = sources
+        self.verify = verify
         self._held: set[Slab] = set()
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
@@ -75,6 +82,8 @@ class CheckpointJob:
         partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, self.plan)
         self._to_capture = len(self.plan.chunks)  # with many ranks, only this rank's share
         try:
+            if self.verify is not None:
+                await run_blocking(self.ctx.compute, self.verify)
             if self.ctx.room is not None:
                 await self.ctx.room.reserve(self.step, self.plan.tensor_bytes)
             if not self._to_capture:
@@ -186,7 +195,7 @@ class CheckpointJob:
         slab = await self.ctx.cache.acquire()
         self.stats.cache_wait_s += time.monotonic() - asked
         self._held.add(slab)
-        chunk = await run_blocking(self.ctx.compute, self.ctx.copier.copy, unit, slab, self.ready)
+        chunk = await run_blocking(self.ctx.compute, self.ctx.copier.copy, unit, slab, self.ready, self.sources)
         self._to_capture -= 1
         if self._to_capture == 0:
             self._captured()

@@ -116,24 +116,13 @@ class CaptureRules:
             return True
         return item.changes == "step" and storage_of(item.tensor) in covered
 
-    def snapshot_eager(self, tensors: Iterable[TensorItem]) -> tuple[EagerSnapshot, list[TensorItem]]:
-        """Replace each item's tensor that may not be captured lazily by its own copy, now.
+    def eager(self, tensors: Iterable[TensorItem]) -> list[TensorItem]:
+        """The items that may not be captured lazily, which must be copied before ``checkpoint()`` returns.
 
-        Returns what it cost and the items now holding copies, which the checkpoint gives back with
-        :func:`release_copies` when it ends (a failed checkpoint's error may keep its plan alive).
-        """
+        Warns once about "step" items no attached optimizer covers (they are among them)."""
         covered = self.covered()
-        copied: list[TensorItem] = []
-        nbytes = 0
-        uncovered: list[str] = []
-        for item in tensors:
-            if self.lazy(item, covered):
-                continue
-            if item.changes == "step":
-                uncovered.append(item.key)
-            item.tensor = _copy(item.tensor)
-            copied.append(item)
-            nbytes += item.nbytes
+        eager = [item for item in tensors if not self.lazy(item, covered)]
+        uncovered = [item.key for item in eager if item.changes == "step"]
         if uncovered and not self._warned:
             self._warned = True
             log.warning(
@@ -142,7 +131,19 @@ class CaptureRules:
                 "(OptimizerProvider) or call runner.attach(optimizer) to capture them while training goes on",
                 len(uncovered), uncovered[0],
             )
-        return EagerSnapshot(len(copied), nbytes, tuple(uncovered)), copied
+        return eager
+
+    def snapshot_eager(self, tensors: Iterable[TensorItem]) -> tuple[EagerSnapshot, list[TensorItem]]:
+        """Replace each item's tensor that may not be captured lazily by its own copy, now.
+
+        Returns what it cost and the items now holding copies, which the checkpoint gives back with
+        :func:`release_copies` when it ends (a failed checkpoint's error may keep its plan alive).
+        """
+        copied = self.eager(tensors)
+        for item in copied:
+            item.tensor = _copy(item.tensor)
+        uncovered = tuple(item.key for item in copied if item.changes == "step")
+        return EagerSnapshot(len(copied), sum(item.nbytes for item in copied), uncovered), copied
 
 
 def release_copies(items: Iterable[TensorItem]) -> None:

@@ -14,22 +14,19 @@ import asyncio
 import concurrent.futures
 from pathlib import Path
 
-from ..tiers.container import Chunk, Layout, TensorLayout
-from ..tiers.dtypes import dtype_name
+from ..tiers.container import Chunk, Layout
 from ..tiers.format import ManifestBody
 from ..tiers.pacing import Pacer
 from ..tiers.rankwriter import RankWriter, data_file_path
 from .config import PersistStage
-from .plan import CheckpointPlan
+from .plan import CheckpointPlan, tensor_layout
 from .retry import RetryPolicy, storage_call
 
 
 def plan_layout(plan: CheckpointPlan) -> Layout:
     """What this rank's data file holds, as its container needs to know it before the bytes arrive."""
-    tensors = {}
-    for item in plan.tensors:
-        shard = None if item.shard is None else (list(item.shard.global_shape), list(item.shard.offsets))
-        tensors[item.key] = TensorLayout(dtype_name(item.tensor.dtype), list(item.tensor.shape), shard)
+    fixed = plan.layouts  # a reused plan's, worked out once
+    tensors = {**fixed, **{item.key: tensor_layout(item) for item in plan.tensors if item.key not in fixed}}
     objects = {item.key: item.serializer for item in plan.objects}
     return Layout(tensors, objects, dict(plan.aliases))
 

@@ -9,10 +9,16 @@ tensor registered under two keys (tied weights) is planned once and recorded as 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..providers.items import ObjectItem, TensorItem
+from ..tiers.container import TensorLayout
+from ..tiers.dtypes import dtype_name
+
+if TYPE_CHECKING:
+    from .capture import CopyProgram
 
 ITEM_ALIGN = 64
 
@@ -32,6 +38,7 @@ class ChunkPlan:
     index: int
     pieces: list[TensorPiece] = field(default_factory=list)
     nbytes: int = 0
+    program: CopyProgram | None = None  # how capture copies it, once worked out (capture.py)
 
 
 @dataclass
@@ -40,10 +47,19 @@ class CheckpointPlan:
     objects: list[ObjectItem]
     aliases: dict[str, str]  # key -> key of the identical tensor that is stored
     chunks: list[ChunkPlan]
+    # The form each tensor is stored under, when fixed at planning (a reused plan, plan_cache.py);
+    # otherwise read from the items' tensors when the job starts.
+    layouts: dict[str, TensorLayout] = field(default_factory=dict)
 
     @property
     def tensor_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
+
+
+def tensor_layout(item: TensorItem) -> TensorLayout:
+    """How ``item`` is recorded in the manifest: its dtype, shape and shard."""
+    shard = None if item.shard is None else (list(item.shard.global_shape), list(item.shard.offsets))
+    return TensorLayout(dtype_name(item.tensor.dtype), list(item.tensor.shape), shard)
 
 
 def _identity(t: torch.Tensor) -> tuple:

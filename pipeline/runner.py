@@ -48,6 +48,7 @@ from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
 from .metrics import CheckpointStats, Outcome, RunMetrics
 from .plan import CheckpointPlan, plan_checkpoint
+from .plan_cache import PlanCache
 from .registration import provider_for
 from .restore import RestoreResult, nearest_first, restore_into
 from .room import Room
@@ -124,6 +125,8 @@ class Runner:
         )
         self._copier = SlabCopier()
         self._rules = CaptureRules()
+        # Plans reused while the tensors stay the same (plan_cache.py), in one process.
+        self._plans = PlanCache(slab) if self._group is None else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierstate-loop", daemon=True)
         self._thread.start()
@@ -251,13 +254,20 @@ class Runner:
                     return handle
                 previous.handle.wait()
             declined = None
+            sources = verify = None
             try:
-                plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
-                # Tensors that may change before their lazy copy are copied now (laziness.py).
-                snapshot, copies = self._rules.snapshot_eager(plan.tensors)
+                prepared = self._plans.prepare(self.providers, self._rules) if self._plans is not None else None
+                if prepared is not None:  # a reused plan, eager tensors copied in batches (plan_cache.py)
+                    plan, snapshot, copies = prepared.plan, prepared.snapshot, prepared.copies
+                    sources, verify = prepared.sources, prepared.verify
+                else:
+                    plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
+                    # Tensors that may change before their lazy copy are copied now (laziness.py).
+                    snapshot, copies = self._rules.snapshot_eager(plan.tensors)
                 completer.snapshotted(snapshot)
                 on_captured = self._capture_check(plan, completer) if self.config.policies.check_capture else None
-                ready = record_ready_event([item.tensor for item in plan.tensors])
+                described = plan.tensors if prepared is None else prepared.described  # a reused plan's are on the CPU
+                ready = record_ready_event([item.tensor for item in described])
             except Exception as exc:  # a provider bug must not stop training
                 if self._group is None:
                     completer.blocked(time.perf_counter() - started)
@@ -281,7 +291,9 @@ class Runner:
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit,
                 self._room,
             )  # fmt: skip
-            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured, handle.stats)
+            job = CheckpointJob(
+                ctx, step, plan, ready, on_captured or completer.captured, handle.stats, sources, verify
+            )
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)
             asyncio.run_coroutine_threadsafe(self._run(job, completer, copies), self._loop)

@@ -13,6 +13,7 @@ parameter, so :func:`layout_target` stands in for it on restore, holding no memo
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 
 def is_dtensor(value: object) -> TypeGuard[DTensor]:
     """Whether ``value`` is a DTensor; False in a torch built without distributed (none can exist there)."""
-    if not torch.distributed.is_available():
-        return False
+    if not torch.distributed.is_available() or "torch.distributed.tensor" not in sys.modules:
+        return False  # no DTensor exists before its module is imported; importing it costs ~1 s
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)

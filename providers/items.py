@@ -85,3 +85,17 @@ class ObjectItem:
 
 
 Item = TensorItem | ObjectItem
+
+
+@dataclass(frozen=True)
+class TensorBatch:
+    """A provider's tensors as they are now, in the order and with the ``changes`` its ``describe`` gives them.
+
+    Built in C loops (a dict's keys and values as tuples), so a runner can see at the cost of an
+    identity comparison that the state still holds the very tensor objects it planned last time
+    and reuse that plan instead of describing 10^5 items again (pipeline/plan_cache.py).
+    """
+
+    keys: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    changes: Changes

@@ -325,8 +325,37 @@ def _invalid(exc: ValidationError, source: str, what: str) -> ManifestError:
     return ManifestError(f"{source}: invalid {what} at {where}: {first['msg']}")
 
 
+_HEAD = b'{"checksum":"'
+_BODY = b'","manifest":'
+
+
+def _parse_as_written(raw: bytes) -> Manifest | None:
+    """The manifest, if ``raw`` is exactly as :func:`manifest_bytes` writes it and valid; else None.
+
+    The body is then the bytes between the checksum and the last brace, so its checksum is checked
+    on those bytes and pydantic validates them as JSON straight into the records: no second encoding
+    of the body and no dicts in between (10^5 items: about a third of the parse). Anything else, and
+    every invalid manifest, takes the full path below, which says precisely what is wrong.
+    """
+    start = len(_HEAD) + 16
+    if not raw.startswith(_HEAD) or raw[start : start + len(_BODY)] != _BODY or not raw.endswith(b"}"):
+        return None
+    body = raw[start + len(_BODY) : -1]
+    if raw[len(_HEAD) : start] != checksum(body).encode():
+        return None
+    try:
+        manifest = Manifest.model_validate_json(body)
+    except ValidationError:
+        return None
+    return manifest if 1 <= manifest.version <= FORMAT_VERSION else None
+
+
 def parse_manifest(raw: bytes, source: str) -> Manifest:
     """Parse and fully validate a manifest; every problem is a ManifestError naming ``source``."""
+    manifest = _parse_as_written(raw)
+    if manifest is not None:
+        check_consistency(manifest, source)
+        return manifest
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too-long integers, too-deep nesting
@@ -413,7 +442,8 @@ def _check_item(manifest: Manifest, key: str, item: AnyRecord) -> None:
     nbytes = manifest.record_nbytes(item)
     covered = 0
     elsewhere = manifest.node_part.ranks if manifest.node_part else None
-    for piece in sorted(item.pieces, key=lambda p: p.item_offset):
+    pieces = item.pieces if len(item.pieces) < 2 else sorted(item.pieces, key=lambda p: p.item_offset)
+    for piece in pieces:
         if piece.item_offset != covered:
             raise ValueError(f"pieces leave a gap or overlap at byte {covered}")
         covered += piece.length

@@ -385,4 +385,5 @@ def read_records(
     for key, record in records.items():
         dest.add(key, manifest.record_nbytes(record))
     read_pieces(directory, manifest, {key: record.pieces for key, record in records.items()}, dest, workers)
-    return {key: dest.buffers[key] for key in records}
+    buffers = dest.buffers  # built once: one lookup per record, not one dict per record
+    return {key: buffers[key] for key in records}

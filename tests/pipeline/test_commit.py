@@ -12,7 +12,7 @@ from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import ObjectProvider, TensorDictProvider
 from tierstate.tiers.filesystem import CheckpointExistsError, TierError
-from tierstate.tiers.format import Manifest, parse_index
+from tierstate.tiers.format import Manifest, ManifestError, parse_index, read_manifest
 
 
 def _state(mib: int = 1) -> dict[str, torch.Tensor]:
@@ -198,3 +198,16 @@ def test_cli_inspect_and_ls(make_runner, tmp_path, capsys):
     assert "t/w" in capsys.readouterr().out
     assert cli.main(["inspect", "99", "--tier", f"nvme={tmp_path / 'nvme'}"]) == 2
     assert "step 99" in capsys.readouterr().err
+
+
+def test_a_manifest_edited_in_place_is_refused(make_runner):
+    """Edited without changing its layout (the form the fast parse takes), a manifest fails its checksum."""
+    tensors = _state()
+    runner = make_runner()
+    runner.register(t=TensorDictProvider(tensors))
+    path = runner.checkpoint(1).result().path / "manifest.json"
+    raw = path.read_bytes()
+    assert b'"step":1,' in raw
+    path.write_bytes(raw.replace(b'"step":1,', b'"step":2,'))
+    with pytest.raises(ManifestError, match="manifest checksum mismatch"):
+        read_manifest(path.parent)

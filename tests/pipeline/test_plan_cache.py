@@ -1,0 +1,105 @@
+"""A reused plan (pipeline/plan_cache.py) saves exactly what a fresh one would, whatever the trainer
+does to its tensors between and right after checkpoints: changes values, swaps tensors, adds keys,
+changes a tensor's shape or dtype in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tierstate import CheckpointFailed, ObjectProvider, Runner, TensorDictProvider
+
+SLOW = {"host_cache__size": "2MiB", "chunk_size": "1MiB", "pipeline__stages__persist__bandwidth": "40MB"}
+
+
+def _tensors(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(16 + i % 3, generator=generator) for i in range(n)}
+
+
+def _restored(runner: Runner, tensors: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    for t in tensors.values():
+        t.zero_()
+    runner.restore(step)
+    return {k: t.clone() for k, t in tensors.items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_reused_plan_saves_the_values_of_each_request(make_runner: Callable[..., Runner]) -> None:
+    tensors = _tensors(3000)
+    big = {"big": torch.randn(1 << 20)}  # 4 MiB: capture runs long behind the paced persist
+    runner = make_runner(**SLOW)
+    runner.register(small=TensorDictProvider(tensors), big=TensorDictProvider(big), step=ObjectProvider(dict))
+    expected = {}
+    for step in range(1, 4):
+        for t in [*tensors.values(), *big.values()]:
+            t.add_(1.0)
+        expected[step] = {k: t.clone() for k, t in tensors.items()}
+        handle = runner.checkpoint(step)
+        for t in [*tensors.values(), *big.values()]:  # right after the request, before the capture
+            t.mul_(-3.0)
+        handle.result()
+        assert handle.stats.eager.tensors == 3001
+    for step in range(1, 4):
+        assert _equal(_restored(runner, tensors, step), expected[step])
+
+
+def test_swapped_added_and_reshaped_tensors_are_planned_afresh(make_runner: Callable[..., Runner]) -> None:
+    tensors = _tensors(50)
+    runner = make_runner()
+    runner.register(state=TensorDictProvider(tensors))
+    runner.checkpoint(1).result()
+    tensors["t3"] = torch.randn(7)  # another object under a key
+    tensors["new"] = torch.arange(5.0)  # a new key
+    tensors["t4"].data = torch.randn(2, 9)  # the same object, another shape
+    tensors["t5"].resize_(40).fill_(2.5)  # the same object, resized in place
+    expected = {k: t.clone() for k, t in tensors.items()}
+    runner.checkpoint(2).result()
+    assert _equal(_restored(runner, tensors, 2), expected)
+
+
+def test_a_dtype_narrowed_in_place_never_saves_a_wrong_dtype(make_runner: Callable[..., Runner]) -> None:
+    tensors = _tensors(20)
+    runner = make_runner()
+    runner.register(state=TensorDictProvider(tensors))
+    runner.checkpoint(1).result()
+    tensors["t2"].data = tensors["t2"].data.half()  # stack would widen it back to float32 unseen
+    with pytest.raises(CheckpointFailed, match="changed in place"):
+        runner.checkpoint(2).result()
+    expected = {k: t.clone() for k, t in tensors.items()}
+    runner.checkpoint(3).result()  # planned afresh
+    assert _equal(_restored(runner, tensors, 3), expected)
+    assert runner.steps()["nvme"] == [1, 3]
+
+
+def test_a_reused_plan_mixes_with_described_providers(make_runner: Callable[..., Runner]) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    ema = _tensors(200, seed=1)
+    runner = make_runner(**SLOW)
+    runner.register(model=model, optim=opt, ema=TensorDictProvider(ema))
+
+    def train() -> None:
+        model(torch.randn(8, 256)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for t in ema.values():
+            t.mul_(0.5)
+
+    expected = {}
+    for step in range(1, 4):
+        train()
+        expected[step] = ({k: v.clone() for k, v in model.state_dict().items()}, {k: t.clone() for k, t in ema.items()})
+        handle = runner.checkpoint(step)
+        train()  # BatchNorm statistics and the EMA change at once; the optimizer step waits for the capture
+        handle.result()
+    for step in range(1, 4):
+        train()
+        assert _equal(_restored(runner, ema, step), expected[step][1])
+        assert _equal(dict(model.state_dict()), expected[step][0])
