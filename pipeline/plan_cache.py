@@ -33,7 +33,7 @@ import torch
 from tierstate.errors import TierstateError
 
 from ..providers.composite import CompositeProvider
-from ..providers.items import Item, TensorBatch, TensorItem
+from ..providers.items import Batched, Item, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
 
@@ -150,7 +150,7 @@ class PlanCache:
     def prepare(self, providers: CompositeProvider, rules: CaptureRules) -> Prepared | None:
         """The plan and the eager copies of this checkpoint, or None when no provider offers a batch."""
         leaves = providers.leaves()
-        batches = {path: leaf.tensor_batch() for path, leaf in leaves if hasattr(leaf, "tensor_batch")}
+        batches = {path: leaf.tensor_batch() for path, leaf in leaves if isinstance(leaf, Batched)}
         if not batches or (self._refused is not None and same_batches(batches, self._refused)):
             return None
         covered = rules.covered()
@@ -164,6 +164,7 @@ class PlanCache:
             if entry is None or stacks is None:
                 self._entry, self._refused = None, batches
                 return None
+        assert entry is not None  # matched, or just built
         others = [_prefixed(path, item) for path, leaf in leaves if path not in batches for item in leaf.describe()]
         rest = plan_checkpoint(others, self.chunk_size)
         snapshot, copies = rules.snapshot_eager(rest.tensors)

@@ -14,7 +14,7 @@ data; a wrong ``replicated=True`` would keep one rank's value for all. One proce
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -99,3 +99,10 @@ class TensorBatch:
     keys: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
     changes: Changes
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A provider that can list its tensors as one :class:`TensorBatch` (e.g. TensorDictProvider)."""
+
+    def tensor_batch(self) -> TensorBatch: ...

@@ -59,4 +59,4 @@ class TensorDictProvider:
             else:
                 t.reshape(-1).view(torch.uint8).copy_(state[key].reshape(-1).view(torch.uint8))
         if live:  # one call for all of them: 10^5 separate copies cost most of a second
-            torch._foreach_copy_(live, read)
+            torch._foreach_copy_(live, read)  # pyright: ignore[reportPrivateImportUsage]
