@@ -14,6 +14,14 @@ checkpoint first warms the host cache and the page tables, then ``--repeats`` me
 
     python benchmarks/distributed.py                          # 1 GiB, 3 repeats (~1 min here)
     python benchmarks/distributed.py --total 128MiB --repeats 1   # smoke test
+    python benchmarks/distributed.py --nodes                  # node-local NVMe: 1 node vs 2 simulated nodes
+
+``--nodes`` measures node-local tiers instead: the persist tier is ``scope: node`` (each node its own
+directory, ``{node}`` in its path) and the PFS receives every checkpoint by a flush from every node.
+One node (one rank) against two simulated nodes (two ``torchrun --nnodes=2`` launches on this
+machine, ``TIERSTATE_NODE=n0/n1``, one rank each, each holding half of the state as row shards):
+"durable" is the commit of every node's part on its own NVMe, "on the PFS" the publication of the
+global manifest there (every node's part copied).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -36,9 +45,20 @@ from harness.units import fmt_bytes, fmt_s, gbps, parse_size
 
 TENSOR_BYTES = 32 << 20  # each global tensor; rows split across ranks when sharded
 LAYOUTS = [(1, "sharded"), (2, "sharded"), (2, "replicated")]  # 1 rank: both layouts are the same
+NODE_COUNTS = [1, 2]  # --nodes: simulated nodes of one rank each
 
 
-def worker(root: Path, total: int, layout: str, repeats: int, out: Path) -> None:
+def tier_settings(root: Path, nodes: bool) -> dict:
+    """Tiers under ``root``: the default NVMe + PFS, or (``nodes``) a node-scoped NVMe flushed to a shared PFS."""
+    if not nodes:
+        return {"nvme": {"path": str(root / "nvme")}, "pfs": {"path": str(root / "pfs")}}
+    return {
+        "nvme": {"path": str(root / "{node}" / "nvme"), "scope": "node"},
+        "pfs": {"path": str(root / "pfs"), "scope": "shared", "flush": {"every": 1}},
+    }
+
+
+def worker(root: Path, total: int, layout: str, repeats: int, out: Path, nodes: bool) -> None:
     """One rank: build this rank's state, checkpoint it 1 + ``repeats`` times, report the timings."""
     import torch
     import torch.distributed as dist
@@ -61,38 +81,75 @@ def worker(root: Path, total: int, layout: str, repeats: int, out: Path) -> None
         def restore(self, state: object) -> None:
             raise NotImplementedError("this benchmark only saves")
 
-    settings = {"tiers": {"nvme": {"path": str(root / "nvme")}, "pfs": {"path": str(root / "pfs")}}}
-    runner = Runner.from_yaml(DEFAULT_YAML, settings)
+    def slowest(started: float) -> float:
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a checkpoint is durable when the slowest rank's part is
+        return elapsed.item()
+
+    runner = Runner.from_yaml(DEFAULT_YAML, {"tiers": tier_settings(root, nodes)})
     runner.register(weights=Weights())
-    timings, written = [], 0
+    timings, on_pfs, written = [], [], 0
     for step in range(repeats + 1):
         dist.barrier()
         started = time.perf_counter()
-        result = runner.checkpoint(step).result()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the checkpoint is durable when the slowest rank is
+        handle = runner.checkpoint(step)
+        result = handle.result()
+        durable = slowest(started)
+        pfs_path = handle.tier_futures["pfs"].result() if nodes else None
+        flushed = slowest(started) if nodes else None
         if step:
-            timings.append(elapsed.item())
+            timings.append(durable)
+            if flushed is not None:
+                on_pfs.append(flushed)
         written = result.raw_bytes
         dist.barrier()
-        if rank == 0:
-            shutil.rmtree(result.path)  # keep the disk as empty as for the first run
+        if rank == 0 or nodes:  # keep the disk as empty as for the first run (with nodes: each node its own part)
+            shutil.rmtree(result.path)
+        if rank == 0 and pfs_path is not None:
+            shutil.rmtree(pfs_path)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, written)
     runner.close()
     if rank == 0:
-        out.write_text(json.dumps({"seconds": timings, "written_per_rank": per_rank}))
+        out.write_text(json.dumps({"seconds": timings, "on_pfs": on_pfs, "written_per_rank": per_rank}))
     dist.destroy_process_group()
+
+
+def worker_args(root: Path, name: str, total: int, layout: str, repeats: int, out: Path) -> list[str]:
+    return [
+        __file__, "--worker", "--root", str(root / name), "--total", str(total), "--layout", layout,
+        "--repeats", str(repeats), "--out", str(out),
+    ]  # fmt: skip
 
 
 def launch(nproc: int, layout: str, total: int, repeats: int, root: Path) -> dict:
     out = root / f"{nproc}-{layout}.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        __file__, "--worker", "--root", str(root / f"{nproc}-{layout}"), "--total", str(total),
-        "--layout", layout, "--repeats", str(repeats), "--out", str(out),
+        *worker_args(root, f"{nproc}-{layout}", total, layout, repeats, out),
     ]  # fmt: skip
     subprocess.run(command, check=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.read_text())
+
+
+def launch_nodes(nodes: int, total: int, repeats: int, root: Path) -> dict:
+    """``nodes`` torchrun launches, one per simulated node (one rank each), run together to the end."""
+    out = root / f"{nodes}-nodes.json"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = [*worker_args(root, f"{nodes}-nodes", total, "sharded", repeats, out), "--nodes"]
+    launches = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
+             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", *args],
+            cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TIERSTATE_NODE": f"n{node}"},
+        )
+        for node in range(nodes)
+    ]  # fmt: skip
+    codes = [p.wait() for p in launches]
+    if any(codes):
+        raise SystemExit(f"{nodes} nodes: launches exited with {codes}")
     return json.loads(out.read_text())
 
 
@@ -100,13 +157,14 @@ def report(total: int, repeats: int, runs: dict[str, dict]) -> Report:
     table = Report(
         "distributed",
         f"Time to durable, {fmt_bytes(total)} of float32 state in total, median of {repeats}",
-        ["configuration", "time to durable", "GB/s", "written per rank", "vs 1 rank"],
+        ["configuration", "time to durable", "GB/s", "on the PFS", "written per rank", "vs the first"],
     )
-    base = median(runs["1 rank"]["seconds"])
+    base = median(next(iter(runs.values()))["seconds"])
     for name, run in runs.items():
         seconds = median(run["seconds"])
+        on_pfs = fmt_s(median(run["on_pfs"])) if run.get("on_pfs") else "-"
         per_rank = " / ".join(fmt_bytes(b) for b in run["written_per_rank"])
-        table.add(name, fmt_s(seconds), f"{gbps(total, seconds):.2f}", per_rank, f"{base / seconds:.2f}x")
+        table.add(name, fmt_s(seconds), f"{gbps(total, seconds):.2f}", on_pfs, per_rank, f"{base / seconds:.2f}x")
     return table
 
 
@@ -117,22 +175,30 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     cli.add_argument("--layout", choices=["sharded", "replicated"], help=argparse.SUPPRESS)
     cli.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    cli.add_argument("--nodes", action="store_true", help="node-local NVMe: 1 node vs 2 simulated nodes")
     args = cli.parse_args(argv)
     total = max(TENSOR_BYTES, parse_size(args.total) // TENSOR_BYTES * TENSOR_BYTES)
     if args.worker:
-        worker(args.root, total, args.layout, args.repeats, args.out)
+        worker(args.root, total, args.layout, args.repeats, args.out, args.nodes)
         return 0
     facts = start_run()
     runs = {}
     with bench_root("distributed") as root:
-        for nproc, layout in LAYOUTS:
-            name = "1 rank" if nproc == 1 else f"{nproc} ranks, {layout}"
-            runs[name] = launch(nproc, layout, total, args.repeats, root)
+        if args.nodes:
+            for nodes in NODE_COUNTS:
+                runs[f"{nodes} node{'s' if nodes > 1 else ''}, node-local NVMe"] = launch_nodes(
+                    nodes, total, args.repeats, root
+                )
+        else:
+            for nproc, layout in LAYOUTS:
+                name = "1 rank" if nproc == 1 else f"{nproc} ranks, {layout}"
+                runs[name] = launch(nproc, layout, total, args.repeats, root)
     text = markdown_document(command_line("distributed", argv), facts, [report(total, args.repeats, runs)])
     directory = args.results_dir or RESULTS_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "distributed.md").write_text(text)
-    (directory / "distributed.json").write_text(json.dumps({"facts": facts, "total": total, "runs": runs}, indent=1))
+    name = "distributed-nodes" if args.nodes else "distributed"
+    (directory / f"{name}.md").write_text(text)
+    (directory / f"{name}.json").write_text(json.dumps({"facts": facts, "total": total, "runs": runs}, indent=1))
     print(text)
     return 0
 
