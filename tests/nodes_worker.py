@@ -5,7 +5,8 @@ Usage (one launch per node, ``TIERSTATE_NODE`` naming it): ``torchrun --nnodes=2
 The NVMe tier is ``WORKDIR/nodes/{node}/nvme`` (scope: node): no rank looks into another node's.
 The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. The ``train`` and ``resume``
 scenarios write to a memory tier first (``WORKDIR/nodes/{node}/memory``, kind: memory, keep_last: 1),
-which flushes to both; ``train-last`` persists to NVMe. What a rank saw goes to
+which flushes to both; ``train-last`` persists to NVMe. ``train-peers`` / ``resume-peers`` persist to
+NVMe with ``replicas: 1``: each node's part also goes to the other node's NVMe (a peer copy). What a rank saw goes to
 ``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
 """
 
@@ -33,10 +34,10 @@ SAVED_AT = (2, 4)
 GROUP_TIMEOUT_S = 20  # also how long a node waits for the others' parts on the PFS
 
 
-def _runner(workdir: Path, memory: bool = True) -> Runner:
+def _runner(workdir: Path, memory: bool = True, replicas: int = 0) -> Runner:
     node = workdir / "nodes" / "{node}"
     tiers = {
-        "nvme": {"path": str(node / "nvme"), "scope": "node"},
+        "nvme": {"path": str(node / "nvme"), "scope": "node", "replicas": replicas},
         "pfs": {"path": str(workdir / "pfs"), "flush": {"every": 1}},
     }
     if memory:
@@ -71,12 +72,14 @@ def _register(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, coun
     )
 
 
-def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory: bool = True) -> dict[str, Any]:
+def train(
+    workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory: bool = True, replicas: int = 0
+) -> dict[str, Any]:
     """Eight DDP steps, checkpoints after steps 2 and 4; the losses after step 4 are the reference."""
     model, opt = _ddp(seed=0)
     torch.manual_seed(100 + rank)
     counter = {"step": 0}
-    runner = _runner(workdir, memory)
+    runner = _runner(workdir, memory, replicas)
     _register(runner, model, opt, counter)
     handles, losses = [], []
     for step in range(1, STEPS + 1):
@@ -94,12 +97,12 @@ def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory
     }
 
 
-def resume(workdir: Path, rank: int) -> dict[str, Any]:
+def resume(workdir: Path, rank: int, memory: bool = True, replicas: int = 0) -> dict[str, Any]:
     """A new job from other weights: restore the latest step, run to the end; the same losses expected."""
     model, opt = _ddp(seed=123)
     torch.manual_seed(7)
     counter = {"step": -1}
-    runner = _runner(workdir)
+    runner = _runner(workdir, memory, replicas)
     _register(runner, model, opt, counter)
     result = runner.restore("latest")
     losses = [_step(model, opt) for _ in range(counter["step"], STEPS)]
@@ -113,6 +116,8 @@ SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "resume-again": resume,  # after more copies were wiped
     # One checkpoint after the last step, on NVMe: a node that dies flushing it takes no training down with it.
     "train-last": functools.partial(train, saved_at=(STEPS,), memory=False),
+    "train-peers": functools.partial(train, memory=False, replicas=1),
+    "resume-peers": functools.partial(resume, memory=False, replicas=1),
 }
 
 
