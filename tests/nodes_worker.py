@@ -6,7 +6,8 @@ The NVMe tier is ``WORKDIR/nodes/{node}/nvme`` (scope: node): no rank looks into
 The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. The ``train`` and ``resume``
 scenarios write to a memory tier first (``WORKDIR/nodes/{node}/memory``, kind: memory, keep_last: 1),
 which flushes to both; ``train-last`` persists to NVMe. ``train-peers`` / ``resume-peers`` persist to
-NVMe with ``replicas: 1``: each node's part also goes to the other node's NVMe (a peer copy). What a rank saw goes to
+NVMe with ``replicas: 1``: each node's part also goes to the other node's NVMe (a peer copy);
+``damage-peer-copy`` empties n1's NVMe and flips a byte of n1's part in n0's copy. What a rank saw goes to
 ``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.peers import kept_for
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "default.yaml"
@@ -110,6 +114,20 @@ def resume(workdir: Path, rank: int, memory: bool = True, replicas: int = 0) -> 
     return {"step": counter["step"], "tier": result.tier, "tier_by_rank": list(result.tier_by_rank), "losses": losses}
 
 
+def damage(workdir: Path, rank: int) -> dict[str, Any]:
+    """n1 is replaced (its NVMe empty), and the copy of n1's part that n0 keeps has a flipped byte."""
+    nvme = FilesystemTier("nvme", workdir / "nodes" / f"n{rank}" / "nvme", "node")
+    if rank == 0:
+        data = kept_for(nvme, "n1").step_dir(4) / "rank-00001.data"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    else:
+        shutil.rmtree(nvme.root)
+    dist.barrier()
+    return {}
+
+
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "train": train,
     "resume": resume,
@@ -118,6 +136,7 @@ SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "train-last": functools.partial(train, saved_at=(STEPS,), memory=False),
     "train-peers": functools.partial(train, memory=False, replicas=1),
     "resume-peers": functools.partial(resume, memory=False, replicas=1),
+    "damage-peer-copy": damage,
 }
 
 

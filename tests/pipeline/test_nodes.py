@@ -57,6 +57,23 @@ def launch(workdir: Path, scenario: str, port: int, node: int, env: dict[str, st
     )  # fmt: skip
 
 
+def two_ranks(workdir: Path, *scenarios: str) -> None:
+    """Both "nodes" run ``scenarios`` as plain processes (rank and world from the environment, no
+    torchrun agent: quicker to start), and succeed."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "TIERSTATE_NODE": f"n{rank}", "RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        command = [sys.executable, str(WORKER), str(workdir), *scenarios]
+        procs.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    for rank, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert proc.returncode == 0, f"rank {rank}, {scenarios}:\n{out[-6000:]}"
+
+
 def two_nodes(workdir: Path, scenario: str) -> None:
     """Both nodes run ``scenario`` to the end and succeed."""
     port = free_port()
@@ -226,3 +243,13 @@ def test_a_replaced_node_restores_its_part_from_its_partners_copy_without_the_pf
     back = returned_from(nvme(peered, "n1"), "n0")  # n0 sent n1's part back; n1 keeps it, verified
     assert back.steps() == [4] and verify_step(back, 4).ok
     assert FilesystemTier("pfs", peered / "pfs").steps() == []
+
+
+def test_a_damaged_peer_copy_is_refused_on_both_sides_and_the_replaced_node_reads_the_pfs(tmp_path):
+    two_ranks(tmp_path, "train-peers", "damage-peer-copy", "resume-peers")
+    reference, resumed = facts(tmp_path, "train-peers"), facts(tmp_path, "resume-peers")
+    for before, after in zip(reference, resumed, strict=True):
+        assert (after["step"], after["tier_by_rank"]) == (4, ["nvme", "pfs"])
+        assert after["losses"] == before["losses"]
+    back = returned_from(nvme(tmp_path, "n1"), "n0")
+    assert back.steps() == [] and back.partials() == []  # the copy sent back failed its checksums: not published
