@@ -249,29 +249,14 @@ class PeerLink:
             part = side.receiving = ReceivedPart(tier, offer.step, offer.node)
         except Exception as exc:
             side.error = f"receiving into {tier.root}: {type(exc).__name__}: {exc}"
-        for name, size in offer.files:
-            fd = None
-            if part is not None and side.error is None:
-                try:
-                    fd = part.open(name)
-                except Exception as exc:
-                    side.error = f"receiving {name} into {part.partial}: {type(exc).__name__}: {exc}"
-            try:
-                for at in range(0, size, CHUNK):
-                    tensor = torch.empty(min(CHUNK, size - at), dtype=torch.uint8)
-                    self._run(f"{what}: receiving {name}", lambda t=tensor: dist.recv(t, src, group=self._pg))
-                    if side.error is not None or part is None:
-                        continue
-                    try:
-                        if fd is None:
-                            part.manifest += tensor.numpy().tobytes()
-                        else:
-                            os.pwrite(fd, tensor.numpy().data, at)
-                    except OSError as exc:
-                        side.error = f"writing {name} into {part.partial}: {exc}"
-            finally:
-                if fd is not None:
-                    os.close(fd)
+        try:
+            for name, size in offer.files:
+                self._receive_file(what, part, name, size, src, side)
+        except PeerLinkLost:
+            if part is not None:
+                part.abort()
+            side.receiving = None
+            raise
         if part is None:
             return
         if side.error is None:
@@ -282,6 +267,32 @@ class PeerLink:
                 side.error = f"{type(exc).__name__}: {exc}"
         part.abort()
         side.receiving = None
+
+    def _receive_file(self, what: str, part: ReceivedPart | None, name: str, size: int, src: int, side: _Side) -> None:
+        """Every announced byte of ``name`` is received, whatever fails here (so the sender is never left
+        waiting); it is written only while nothing has failed."""
+        fd = None
+        if part is not None and side.error is None:
+            try:
+                fd = part.open(name)
+            except Exception as exc:
+                side.error = f"receiving {name} into {part.partial}: {type(exc).__name__}: {exc}"
+        try:
+            for at in range(0, size, CHUNK):
+                tensor = torch.empty(min(CHUNK, size - at), dtype=torch.uint8)
+                self._run(f"{what}: receiving {name}", lambda t=tensor: dist.recv(t, src, group=self._pg))
+                if side.error is not None or part is None:
+                    continue
+                try:
+                    if fd is None:
+                        part.manifest += tensor.numpy().tobytes()
+                    else:
+                        os.pwrite(fd, tensor.numpy().data, at)
+                except OSError as exc:
+                    side.error = f"writing {name} into {part.partial}: {exc}"
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _run(self, what: str, fn: Callable[[], T]) -> T:
         if self.broken is not None:
