@@ -121,6 +121,10 @@ class TierConfig(_Strict):
     node-scoped (the default scope for it) and needs ``size``, the most bytes it may hold on a
     node: host memory is the job's too. ``size`` bounds any tier; a checkpoint that would not fit
     waits for the tier's older copies to be flushed and pruned, or fails naming this key.
+
+    ``replicas: 1`` on a node-scoped tier: each node's part committed there is also sent to a partner
+    node's tier (the next node, in a ring), so a replaced node restores its part from the partner
+    rather than the shared tier (pipeline/peers.py).
     """
 
     path: Path
@@ -129,6 +133,7 @@ class TierConfig(_Strict):
     size: Annotated[ByteSize, _at_least(1)] | None = None
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
+    replicas: Annotated[int, Field(ge=0, le=1)] = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -300,6 +305,7 @@ class PipelineConfig(_Strict):
         if not graph:  # these walk the chain, which a broken graph (a cycle, a dangling next) does not have
             problems += _tier_format_problems(self)
         problems += _bounded_tier_problems(self)
+        problems += _replica_problems(self)
         if self.host_cache.size < 2 * self.chunk_size:
             chunk = self.chunk_size.human_readable()
             problems.append((
@@ -361,6 +367,28 @@ def _tier_format_problems(config: PipelineConfig) -> list[tuple[str, str]]:
             f"pipeline.stages.{name}.codec",
             "format hdf5 stores datasets uncompressed; set codec: none (or use format: frames)",
         ))
+    return problems
+
+
+def _replica_problems(config: PipelineConfig) -> list[tuple[str, str]]:
+    """Peer copies are of a node's part, so only a node-scoped tier has them, and only when the
+    checkpoint commits in node parts (a node-scoped persist tier)."""
+    problems = []
+    persist = next((s.tier for s in config.pipeline.stages.values() if isinstance(s, PersistStage)), None)
+    for name, tier in config.tiers.items():
+        if not tier.replicas:
+            continue
+        if tier.scope != "node":
+            problems.append((
+                f"tiers.{name}.replicas",
+                "peer copies put a node's part on a partner node; only a scope: node tier has them "
+                "(a shared tier is one copy every node sees)",
+            ))
+        elif persist in config.tiers and config.tiers[persist].scope != "node":
+            problems.append((
+                f"tiers.{name}.replicas",
+                f"peer copies are of a node's part, but the persist tier {persist!r} is shared: make it scope: node",
+            ))
     return problems
 
 

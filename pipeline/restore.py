@@ -51,11 +51,12 @@ class RestoreResult:
     tier_by_rank: tuple[str, ...] = ()  # the tier that served each rank's part, by rank (``tier`` is this rank's)
 
 
-def nearest_first(tiers: list[FilesystemTier]) -> list[FilesystemTier]:
+def nearest_first(tiers: list[FilesystemTier], peer_copies: list[FilesystemTier] | None = None) -> list[FilesystemTier]:
     """The order in which a rank looks for its copy of a step: this node's own tiers first (memory, then
-    NVMe, as the YAML lists them), then the shared ones (PFS). A partner node's copy of this node's
-    part (peer replicas) belongs between the two: slower than local storage, faster than the PFS."""
-    return [t for t in tiers if t.scope == "node"] + [t for t in tiers if t.scope != "node"]
+    NVMe, as the YAML lists them), then ``peer_copies`` (this node's part as a partner node sent it
+    back, pipeline/peers.py: slower than local storage, faster than the PFS), then the shared ones."""
+    own = [t for t in tiers if t.scope == "node"]
+    return own + list(peer_copies or []) + [t for t in tiers if t.scope != "node"]
 
 
 def checked_target(which: int | str) -> int | str:

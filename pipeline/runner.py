@@ -47,6 +47,7 @@ from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, Handle
 from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
 from .metrics import CheckpointStats, Outcome, RunMetrics
+from .peers import PeerLink
 from .plan import CheckpointPlan, plan_checkpoint
 from .plan_cache import PlanCache
 from .registration import provider_for
@@ -144,6 +145,8 @@ class Runner:
         # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
         self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
         self.flush_failures: list[FlushFailure] = []
+        # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
+        self._peers = PeerLink.of(config, self.tiers, self._group)
         persist = config.tiers[config.persist_tier]
         self._room = (
             Room(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._io)
@@ -365,6 +368,8 @@ class Runner:
             )
         )
         self._flusher.committed(completer)
+        if self._peers is not None:
+            self._peers.committed(completer)
 
     def _report(
         self,
@@ -413,7 +418,10 @@ class Runner:
         """
         self.wait()
         allow_pickle = self.config.policies.allow_pickle
-        tiers = nearest_first(self.tiers)
+        returned = None
+        if self._peers is not None:  # collective: every rank of a job with peer copies takes part
+            returned = self._peers.recall([t for t in self.tiers if t.scope == "node"])
+        tiers = nearest_first(self.tiers, returned)
         if self._group is not None:
             return restore_across_ranks(self._group, self.providers, tiers, which, allow_pickle, fallback)
         return restore_into(self.providers, tiers, which, allow_pickle=allow_pickle, fallback=fallback)
@@ -429,6 +437,8 @@ class Runner:
         self._closed = True
         self.wait()
         self.flush_failures = self._flusher.drain()  # every flush done or reported
+        if self._peers is not None:
+            self.flush_failures += self._peers.drain()  # after the flushes: a peer copy waits for its tier's
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -436,6 +446,8 @@ class Runner:
         self._io.shutdown()
         self._flusher.close()
         self.durable_tier.release()  # another job may write the tier now
+        if self._peers is not None:
+            self._peers.close()
         if self._group is not None:
             self._group.close()
 

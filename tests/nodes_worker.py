@@ -5,7 +5,9 @@ Usage (one launch per node, ``TIERSTATE_NODE`` naming it): ``torchrun --nnodes=2
 The NVMe tier is ``WORKDIR/nodes/{node}/nvme`` (scope: node): no rank looks into another node's.
 The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. The ``train`` and ``resume``
 scenarios write to a memory tier first (``WORKDIR/nodes/{node}/memory``, kind: memory, keep_last: 1),
-which flushes to both; ``train-last`` persists to NVMe. What a rank saw goes to
+which flushes to both; ``train-last`` persists to NVMe. ``train-peers`` / ``resume-peers`` persist to
+NVMe with ``replicas: 1``: each node's part also goes to the other node's NVMe (a peer copy);
+``damage-peer-copy`` empties n1's NVMe and flips a byte of n1's part in n0's copy. What a rank saw goes to
 ``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
+from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.peers import kept_for
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "default.yaml"
@@ -33,10 +38,10 @@ SAVED_AT = (2, 4)
 GROUP_TIMEOUT_S = 20  # also how long a node waits for the others' parts on the PFS
 
 
-def _runner(workdir: Path, memory: bool = True) -> Runner:
+def _runner(workdir: Path, memory: bool = True, replicas: int = 0) -> Runner:
     node = workdir / "nodes" / "{node}"
     tiers = {
-        "nvme": {"path": str(node / "nvme"), "scope": "node"},
+        "nvme": {"path": str(node / "nvme"), "scope": "node", "replicas": replicas},
         "pfs": {"path": str(workdir / "pfs"), "flush": {"every": 1}},
     }
     if memory:
@@ -71,12 +76,14 @@ def _register(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, coun
     )
 
 
-def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory: bool = True) -> dict[str, Any]:
+def train(
+    workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory: bool = True, replicas: int = 0
+) -> dict[str, Any]:
     """Eight DDP steps, checkpoints after steps 2 and 4; the losses after step 4 are the reference."""
     model, opt = _ddp(seed=0)
     torch.manual_seed(100 + rank)
     counter = {"step": 0}
-    runner = _runner(workdir, memory)
+    runner = _runner(workdir, memory, replicas)
     _register(runner, model, opt, counter)
     handles, losses = [], []
     for step in range(1, STEPS + 1):
@@ -94,17 +101,31 @@ def train(workdir: Path, rank: int, saved_at: tuple[int, ...] = SAVED_AT, memory
     }
 
 
-def resume(workdir: Path, rank: int) -> dict[str, Any]:
+def resume(workdir: Path, rank: int, memory: bool = True, replicas: int = 0) -> dict[str, Any]:
     """A new job from other weights: restore the latest step, run to the end; the same losses expected."""
     model, opt = _ddp(seed=123)
     torch.manual_seed(7)
     counter = {"step": -1}
-    runner = _runner(workdir)
+    runner = _runner(workdir, memory, replicas)
     _register(runner, model, opt, counter)
     result = runner.restore("latest")
     losses = [_step(model, opt) for _ in range(counter["step"], STEPS)]
     runner.close()
     return {"step": counter["step"], "tier": result.tier, "tier_by_rank": list(result.tier_by_rank), "losses": losses}
+
+
+def damage(workdir: Path, rank: int) -> dict[str, Any]:
+    """n1 is replaced (its NVMe empty), and the copy of n1's part that n0 keeps has a flipped byte."""
+    nvme = FilesystemTier("nvme", workdir / "nodes" / f"n{rank}" / "nvme", "node")
+    if rank == 0:
+        data = kept_for(nvme, "n1").step_dir(4) / "rank-00001.data"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    else:
+        shutil.rmtree(nvme.root)
+    dist.barrier()
+    return {}
 
 
 SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
@@ -113,6 +134,9 @@ SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "resume-again": resume,  # after more copies were wiped
     # One checkpoint after the last step, on NVMe: a node that dies flushing it takes no training down with it.
     "train-last": functools.partial(train, saved_at=(STEPS,), memory=False),
+    "train-peers": functools.partial(train, memory=False, replicas=1),
+    "resume-peers": functools.partial(resume, memory=False, replicas=1),
+    "damage-peer-copy": damage,
 }
 
 

@@ -27,6 +27,7 @@ from tierstate.pipeline import cli
 from tierstate.tiers.faults import ENV as FAULT_ENV
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate
+from tierstate.tiers.peers import kept_for, returned_from
 from tierstate.tiers.verify import verify_step
 
 WORKER = REPO / "tests" / "nodes_worker.py"
@@ -54,6 +55,23 @@ def launch(workdir: Path, scenario: str, port: int, node: int, env: dict[str, st
         command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
+
+
+def two_ranks(workdir: Path, *scenarios: str) -> None:
+    """Both "nodes" run ``scenarios`` as plain processes (rank and world from the environment, no
+    torchrun agent: quicker to start), and succeed."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "TIERSTATE_NODE": f"n{rank}", "RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        command = [sys.executable, str(WORKER), str(workdir), *scenarios]
+        procs.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    for rank, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        assert proc.returncode == 0, f"rank {rank}, {scenarios}:\n{out[-6000:]}"
 
 
 def two_nodes(workdir: Path, scenario: str) -> None:
@@ -177,3 +195,61 @@ def test_a_node_killed_during_its_flush_leaves_no_global_checkpoint_until_its_pa
     assert report.outcome == "copied" and report.waiting_for == []
     assert pfs.steps() == [8] and verify_step(pfs, 8).ok
     assert sorted(pfs.manifest(8).files) == ["rank-00000.data", "rank-00001.data"]
+
+
+# --- peer copies (replicas: 1 on the NVMe tier) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Train with peer copies; then n1 is replaced (its NVMe empty) and the PFS copy is gone too."""
+    workdir = tmp_path_factory.mktemp("peers")
+    two_nodes(workdir, "train-peers")
+    copies = {}
+    for node, other in (("n0", "n1"), ("n1", "n0")):
+        tier = kept_for(nvme(workdir, node), other)
+        part = tier.manifest(4).node_part
+        copies[node] = {
+            "steps": tier.steps(),
+            "of": part.node if part else None,
+            "verified": [verify_step(tier, step).ok for step in tier.steps()],
+            "files": sorted(p.name for p in tier.step_dir(4).iterdir()),
+        }
+    (workdir / "peer-copies.json").write_text(json.dumps(copies))
+    shutil.rmtree(nvme(workdir, "n1").root)  # n1 replaced: its own part and its copy of n0's are gone
+    shutil.rmtree(workdir / "pfs")  # and the PFS lost the checkpoints
+    two_nodes(workdir, "resume-peers")
+    return workdir
+
+
+def test_each_node_keeps_a_verified_copy_of_its_partners_part_on_its_nvme(peered):
+    copies = json.loads((peered / "peer-copies.json").read_text())
+    for node, other in (("n0", "n1"), ("n1", "n0")):
+        seen = copies[node]
+        assert (seen["steps"], seen["of"], seen["verified"]) == ([2, 4], other, [True, True]), node
+        rank = other[1]
+        assert seen["files"] == ["manifest.json", f"rank-0000{rank}.data", f"rank-0000{rank}.index", "verified.json"]
+    for seen in facts(peered, "train-peers"):
+        assert seen["flush_errors"] == [] and seen["on_nvme"] == [True, True]
+
+
+def test_a_replaced_node_restores_its_part_from_its_partners_copy_without_the_pfs(peered):
+    reference, resumed = facts(peered, "train-peers"), facts(peered, "resume-peers")
+    for rank, (before, after) in enumerate(zip(reference, resumed, strict=True)):
+        assert after["step"] == 4
+        assert after["tier_by_rank"] == ["nvme", "nvme (peer n0)"]
+        assert after["tier"] == after["tier_by_rank"][rank]
+        assert after["losses"] == before["losses"]
+    back = returned_from(nvme(peered, "n1"), "n0")  # n0 sent n1's part back; n1 keeps it, verified
+    assert back.steps() == [4] and verify_step(back, 4).ok
+    assert FilesystemTier("pfs", peered / "pfs").steps() == []
+
+
+def test_a_damaged_peer_copy_is_refused_on_both_sides_and_the_replaced_node_reads_the_pfs(tmp_path):
+    two_ranks(tmp_path, "train-peers", "damage-peer-copy", "resume-peers")
+    reference, resumed = facts(tmp_path, "train-peers"), facts(tmp_path, "resume-peers")
+    for before, after in zip(reference, resumed, strict=True):
+        assert (after["step"], after["tier_by_rank"]) == (4, ["nvme", "pfs"])
+        assert after["losses"] == before["losses"]
+    back = returned_from(nvme(tmp_path, "n1"), "n0")
+    assert back.steps() == [] and back.partials() == []  # the copy sent back failed its checksums: not published
