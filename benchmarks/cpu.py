@@ -8,6 +8,7 @@ request and after durable and summed per thread name, so the table shows where t
 (the asyncio loop scheduling them), the trainer's own call. Against, in the same run, interleaved:
 
 * ``memcpy``: one ``np.copyto`` per tensor of the same bytes into reused buffers (the target's unit),
+* ``xxh3``: tierstate's checksum of the same bytes (every frame is hashed before it is written),
 * ``memcpy+write+fsync``: the same, then a buffered write of the copy to one file and an fsync, on one
   plain thread (the "copy floor" of goal 4; its kernel page-cache copy shows what a write costs),
 * ``O_DIRECT write+fsync``: only the write of those buffers, O_DIRECT as tierstate writes: the kernel's
@@ -35,6 +36,8 @@ from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
 from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
 from harness.units import GB, MiB, fmt_bytes, fmt_ratio, fmt_s, parse_size
 
+from tierstate.tiers.format import checksum  # measured on purpose: the checksum every frame gets
+
 
 def measured(work: Callable[[], object]) -> tuple[float, dict[str, float]]:
     """Wall seconds of ``work`` and the on-CPU seconds every thread spent meanwhile, by thread name."""
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = state.tensor_bytes
     sources = list(state.tensors.values())
     buffers = host_buffers(sources)
-    walls: dict[str, list[float]] = {"memcpy": [], "memcpy+write+fsync": [], "O_DIRECT write+fsync": [],
+    walls: dict[str, list[float]] = {"memcpy": [], "xxh3": [], "memcpy+write+fsync": [], "O_DIRECT write+fsync": [],
                                       "tierstate": []}
     cpus: dict[str, list[dict[str, float]]] = {name: [] for name in walls}
     with bench_root("cpu") as root:
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_file = root / "floor.bin"
             works: dict[str, Callable[[], object]] = {
                 "memcpy": lambda: memcpy_all(sources, buffers),
+                "xxh3": lambda: [checksum(memoryview(b)) for b in buffers],
                 "memcpy+write+fsync": lambda: copy_write_fsync(sources, buffers, floor_file),
                 "O_DIRECT write+fsync": lambda: write_fsync(buffers, floor_file, direct=True),
             }

@@ -6,7 +6,9 @@ of ~200 us, mostly interpreter and dispatch), while a checkpoint of a separate `
 (``TensorDictProvider`` declared ``changes="never"``, so capture is lazy, in the background) runs.
 Each run trains ``--warm-steps`` steps alone, then requests the checkpoint and keeps training until
 it is durable. Inflation = mean step time while the checkpoint runs / mean step time of the same
-run's steps before it, minus one (a mean, not a median: GIL stalls are a few long steps). Methods,
+run's steps before it, minus one (a mean, not a median: GIL stalls are a few long steps); since the
+methods' windows differ (a buffered write's fsync waits seconds), also the trainer seconds lost per
+checkpoint = the window's step times minus as many steps at the mean time alone. Methods,
 interleaved over ``--repeats`` rounds:
 
 * ``tierstate``: the runner (capture into its host cache, xxh3, O_DIRECT persist, commit),
@@ -162,6 +164,7 @@ def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps:
     mean = sum(during) / max(1, len(during))
     stalls = [s for s in during if s > 5 * median(alone)]
     return {"alone_s": alone, "during_s": during, "window_s": window, "inflation": mean / base - 1,
+            "lost_s": sum(during) - len(during) * base,
             "median_inflation": median(during) / median(alone) - 1, "stalls": len(stalls),
             "stall_s": sum(stalls), "cpu": cpu}
 
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Step-time inflation of a Python-bound trainer (MLP width {args.width}, batch {args.batch}, one torch "
         f"thread) while {fmt_bytes(state.tensor_bytes)} is checkpointed, {args.repeats} interleaved rounds",
         ["method", "step alone", "inflation (mean step)", "inflation (median step)", f"÷ {floor} (same round)",
-         "window", "stalls > 5x", "stall ms", "core-s of other threads"],
+         "window", "trainer s lost", "stalls > 5x", "stall ms", "core-s of other threads"],
     )
     for method, method_runs in runs.items():
         ratios = [r["inflation"] / f["inflation"] for r, f in zip(method_runs, runs[floor], strict=True)
