@@ -14,7 +14,8 @@ interleaved over ``--repeats`` rounds:
 * ``tierstate``: the runner (capture into its host cache, xxh3, O_DIRECT persist, commit),
 * ``floor-thread``: the copy floor, one plain Python thread: memcpy of the state into reused buffers,
   buffered write to one file, fsync (all of it in calls that release the GIL),
-* ``floor-process``: the same work in a forked child process: it competes for CPU but not the GIL,
+* ``floor-direct-thread``: the same, written with O_DIRECT as tierstate writes (no page-cache copy),
+* ``floor-process``: the same work as ``floor-thread`` in a forked child process: it competes for CPU but not the GIL,
 * ``tierstate-si0.5ms``: tierstate with ``sys.setswitchinterval(0.0005)`` (default 5 ms) around the
   run: if the trainer waits on the GIL for pipeline threads that hold it in Python, this changes it.
 
@@ -51,7 +52,7 @@ from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
 from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
 from harness.units import MiB, fmt_bytes, parse_size
 
-METHODS = ["tierstate", "floor-thread", "floor-process", "tierstate-si0.5ms"]
+METHODS = ["tierstate", "floor-thread", "floor-direct-thread", "floor-process", "tierstate-si0.5ms"]
 
 
 class TinyMLP:
@@ -106,8 +107,9 @@ class Background:
         if method.startswith("tierstate"):
             handle = self.tierstate.runner.checkpoint(self.step)
             return handle.done
-        if method == "floor-thread":
-            thread = threading.Thread(target=self._floor_thread, name="floor-thread")
+        if method in ("floor-thread", "floor-direct-thread"):
+            direct = method == "floor-direct-thread"
+            thread = threading.Thread(target=self._floor_thread, args=(direct,), name=method)
             thread.start()
             return lambda: not thread.is_alive()
         if method == "floor-process":
@@ -115,10 +117,10 @@ class Background:
             return self._conn.poll
         raise ValueError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
 
-    def _floor_thread(self) -> None:
+    def _floor_thread(self, direct: bool) -> None:
         """The copy floor on this thread, its CPU seconds kept (the thread is gone when the run reads them)."""
         started = time.thread_time()
-        copy_write_fsync(self.sources, self.buffers, self.floor_file)
+        copy_write_fsync(self.sources, self.buffers, self.floor_file, direct)
         self.floor_cpu_s = time.thread_time() - started
 
     def finish(self, method: str) -> None:
@@ -157,8 +159,8 @@ def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps:
         cpu = cpu_delta_by_name(before, cpu_by_thread())
     finally:
         sys.setswitchinterval(interval)
-    if method == "floor-thread":
-        cpu["floor-thread"] = background.floor_cpu_s
+    if method in ("floor-thread", "floor-direct-thread"):
+        cpu[method] = background.floor_cpu_s
     background.finish(method)
     base = sum(alone) / len(alone)
     mean = sum(during) / max(1, len(during))
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[method].append(run)
                 progress(f"round {repeat + 1} {method:18s} step alone {median(run['alone_s']) * 1e6:.0f} us  "
                          f"inflation {run['inflation']:+.0%} (median step {run['median_inflation']:+.0%})  "
-                         f"window {run['window_s']:.2f} s  stalls {run['stalls']} ({run['stall_s'] * 1e3:.0f} ms)")
+                         f"window {run['window_s']:.2f} s  lost {run['lost_s']:.3f} s  "
+                         f"stalls {run['stalls']} ({run['stall_s'] * 1e3:.0f} ms)")
         finally:
             background.close()
     floor = "floor-thread" if "floor-thread" in runs else methods[0]
@@ -247,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{median(r['inflation'] for r in method_runs):+.1%}",
                    f"{median(r['median_inflation'] for r in method_runs):+.1%}",
                    f"{median(ratios):.2f}x", f"{median(r['window_s'] for r in method_runs):.2f} s",
+                   f"{median(r['lost_s'] for r in method_runs):.3f} s",
                    f"{median(r['stalls'] for r in method_runs):.0f}",
                    f"{median(r['stall_s'] for r in method_runs) * 1e3:.0f}",
                    f"{median(other_cpu):.3f}")

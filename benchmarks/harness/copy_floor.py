@@ -58,10 +58,11 @@ def memcpy_all(sources: list[torch.Tensor], buffers: list[np.ndarray]) -> None:
         np.copyto(dst, src.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def copy_write_fsync(sources: list[torch.Tensor], buffers: list[np.ndarray], path: Path) -> None:
-    """The plain-thread floor of a checkpoint: memcpy the state, write it buffered to ``path``, fsync."""
+def copy_write_fsync(sources: list[torch.Tensor], buffers: list[np.ndarray], path: Path, direct: bool = False) -> None:
+    """The plain-thread floor of a checkpoint: memcpy the state, write it to ``path`` (buffered, or
+    O_DIRECT as tierstate writes), fsync."""
     memcpy_all(sources, buffers)
-    write_fsync(buffers, path)
+    write_fsync(buffers, path, direct)
 
 
 def write_fsync(buffers: list[np.ndarray], path: Path, direct: bool = False) -> None:
