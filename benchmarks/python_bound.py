@@ -12,6 +12,8 @@ checkpoint = the window's step times minus as many steps at the mean time alone.
 interleaved over ``--repeats`` rounds:
 
 * ``tierstate``: the runner (capture into its host cache, xxh3, O_DIRECT persist, commit),
+* ``tierstate-1worker``: the same with one capture and one persist worker (default two each): at most
+  two busy pipeline threads, so on a 2-core machine one core stays free for the trainer,
 * ``floor-thread``: the copy floor, one plain Python thread: memcpy of the state into reused buffers,
   buffered write to one file, fsync (all of it in calls that release the GIL),
 * ``floor-direct-thread``: the same, written with O_DIRECT as tierstate writes (no page-cache copy),
@@ -52,7 +54,9 @@ from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
 from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
 from harness.units import MiB, fmt_bytes, parse_size
 
-METHODS = ["tierstate", "floor-thread", "floor-direct-thread", "floor-process", "tierstate-si0.5ms"]
+METHODS = [
+    "tierstate", "tierstate-1worker", "floor-thread", "floor-direct-thread", "floor-process", "tierstate-si0.5ms"
+]
 
 
 class TinyMLP:
@@ -91,8 +95,13 @@ class Background:
         self.buffers = host_buffers(self.sources)
         self.floor_file = root / "floor-thread.bin"
         self.tierstate = TierstateCheckpointer(state, root / "tierstate", cache_bytes=cache_for(state.tensor_bytes))
-        self.tierstate.save(0)  # warm-up: the plan, first-use imports
-        self.tierstate.drain()
+        one_worker = {"pipeline.stages.capture.workers": 1, "pipeline.stages.persist.workers": 1}
+        self.one_worker = TierstateCheckpointer(
+            state, root / "tierstate-1worker", cache_bytes=cache_for(state.tensor_bytes), overrides=one_worker
+        )
+        for ckpt in (self.tierstate, self.one_worker):
+            ckpt.save(0)  # warm-up: the plan, first-use imports
+            ckpt.drain()
         self._conn, child = multiprocessing.get_context("fork").Pipe()
         self._child = multiprocessing.get_context("fork").Process(
             target=_floor_child, args=(self.sources, root / "floor-process.bin", child), daemon=True
@@ -105,7 +114,8 @@ class Background:
     def start(self, method: str) -> Callable[[], bool]:
         self.step += 1
         if method.startswith("tierstate"):
-            handle = self.tierstate.runner.checkpoint(self.step)
+            ckpt = self.one_worker if method == "tierstate-1worker" else self.tierstate
+            handle = ckpt.runner.checkpoint(self.step)
             return handle.done
         if method in ("floor-thread", "floor-direct-thread"):
             direct = method == "floor-direct-thread"
@@ -127,12 +137,14 @@ class Background:
         if method == "floor-process":
             self._conn.recv()
         self.tierstate.clear()
+        self.one_worker.clear()
         self.floor_file.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._conn.send(False)
         self._child.join()
         self.tierstate.close()
+        self.one_worker.close()
 
 
 def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps: int) -> dict[str, Any]:
