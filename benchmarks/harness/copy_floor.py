@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,3 +42,37 @@ class CopyFloorCheckpointer(BackgroundCheckpointer):
     def close(self) -> None:
         self.drain()
         self._pool.shutdown()
+
+
+def host_buffers(sources: list[torch.Tensor]) -> list[np.ndarray]:
+    """A page-aligned (O_DIRECT-ready), faulted-in byte buffer per source tensor, reused by every copy."""
+    buffers = [np.frombuffer(mmap.mmap(-1, t.numel() * t.element_size()), dtype=np.uint8) for t in sources]
+    for buffer in buffers:
+        buffer[:] = 0
+    return buffers
+
+
+def memcpy_all(sources: list[torch.Tensor], buffers: list[np.ndarray]) -> None:
+    """The bare memcpy of the state: one ``np.copyto`` per tensor (one thread, GIL released)."""
+    for src, dst in zip(sources, buffers, strict=True):
+        np.copyto(dst, src.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def copy_write_fsync(sources: list[torch.Tensor], buffers: list[np.ndarray], path: Path, direct: bool = False) -> None:
+    """The plain-thread floor of a checkpoint: memcpy the state, write it to ``path`` (buffered, or
+    O_DIRECT as tierstate writes), fsync."""
+    memcpy_all(sources, buffers)
+    write_fsync(buffers, path, direct)
+
+
+def write_fsync(buffers: list[np.ndarray], path: Path, direct: bool = False) -> None:
+    """Write ``buffers`` (page-aligned sizes for ``direct``) one after another to ``path``, then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        for buffer in buffers:
+            view = memoryview(buffer)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tierstate import TensorDictProvider
+from tierstate.providers.items import Changes
 
 from .tensors import state_tensor_bytes
 
@@ -16,8 +17,8 @@ from .tensors import state_tensor_bytes
 class DictState:
     """``{name: tensor}`` with the same interface as :class:`~harness.gpt_state.GPTState` for saving."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.provider = TensorDictProvider(tensors)
+    def __init__(self, tensors: dict[str, torch.Tensor], changes: Changes = "any") -> None:
+        self.provider = TensorDictProvider(tensors, changes)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -38,8 +39,12 @@ class DictState:
         return state_tensor_bytes(self.tensors)
 
 
-def synthetic_state(total_bytes: int, tensor_bytes: int, dtype: torch.dtype = torch.float32) -> DictState:
-    """``total_bytes`` of weight-like values (normal, std 0.02) in tensors of ``tensor_bytes`` each."""
+def synthetic_state(
+    total_bytes: int, tensor_bytes: int, dtype: torch.dtype = torch.float32, changes: Changes = "any"
+) -> DictState:
+    """``total_bytes`` of weight-like values (normal, std 0.02) in tensors of ``tensor_bytes`` each,
+    declared to tierstate as changing ``changes`` (``"any"``: copied on the trainer's thread;
+    ``"never"``: captured lazily in the background, as an attached optimizer's state is)."""
     element = torch.empty((), dtype=dtype).element_size()
     count = max(1, total_bytes // tensor_bytes)
     numel = max(1, tensor_bytes // element)
@@ -47,4 +52,4 @@ def synthetic_state(total_bytes: int, tensor_bytes: int, dtype: torch.dtype = to
     tensors = {}
     for i in range(count):
         tensors[f"t{i:05d}"] = (torch.randn(numel, generator=generator) * 0.02).to(dtype)
-    return DictState(tensors)
+    return DictState(tensors, changes)

@@ -42,6 +42,7 @@ class TierstateCheckpointer(Checkpointer):
         io: str = "auto",
         yaml_path: Path = DEFAULT_YAML,
         optimizer: torch.optim.Optimizer | None = None,
+        overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(state, root)
         overrides: dict[str, Any] = {
@@ -52,6 +53,7 @@ class TierstateCheckpointer(Checkpointer):
             "pipeline.stages.compress.level": level,
             "pipeline.stages.persist.bandwidth": bandwidth,
             "pipeline.stages.persist.io": io,
+            **(overrides or {}),  # any other setting, by its dotted path
         }
         self.runner = Runner.from_yaml(yaml_path, overrides)
         self.runner.register(**state.providers())

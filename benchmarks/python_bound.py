@@ -1,0 +1,276 @@
+"""Goal 4 of issue 16: how much a background checkpoint slows a Python-bound trainer (GIL and CPU share).
+
+On a GPU the trainer's host thread mostly launches kernels: what matters is how long the checkpoint's
+threads keep it from running Python. Here a tiny MLP trains on the CPU with one torch thread (a step
+of ~200 us, mostly interpreter and dispatch), while a checkpoint of a separate ``--size`` state
+(``TensorDictProvider`` declared ``changes="never"``, so capture is lazy, in the background) runs.
+Each run trains ``--warm-steps`` steps alone, then requests the checkpoint and keeps training until
+it is durable. Inflation = mean step time while the checkpoint runs / mean step time of the same
+run's steps before it, minus one (a mean, not a median: GIL stalls are a few long steps); since the
+methods' windows differ (a buffered write's fsync waits seconds), also the trainer seconds lost per
+checkpoint = the window's step times minus as many steps at the mean time alone. Methods,
+interleaved over ``--repeats`` rounds:
+
+* ``tierstate``: the runner (capture into its host cache, xxh3, O_DIRECT persist, commit),
+* ``tierstate-1worker``: the same with one capture and one persist worker (default two each): at most
+  two busy pipeline threads, so on a 2-core machine one core stays free for the trainer,
+* ``floor-thread``: the copy floor, one plain Python thread: memcpy of the state into reused buffers,
+  buffered write to one file, fsync (all of it in calls that release the GIL),
+* ``floor-direct-thread``: the same, written with O_DIRECT as tierstate writes (no page-cache copy),
+* ``floor-process``: the same work as ``floor-thread`` in a forked child process: it competes for CPU but not the GIL,
+* ``tierstate-si0.5ms``: tierstate with ``sys.setswitchinterval(0.0005)`` (default 5 ms) around the
+  run: if the trainer waits on the GIL for pipeline threads that hold it in Python, this changes it.
+
+``--profile`` instead runs one tierstate checkpoint with cProfile in every pipeline thread and prints
+the functions that ran longest in Python (holding the GIL) and in calls.
+
+    python benchmarks/python_bound.py                         # 512 MiB, 7 rounds, ~2 min
+    python benchmarks/python_bound.py --size 64MiB --repeats 1 --results-dir /tmp/bench-smoke   # smoke
+    python benchmarks/python_bound.py --profile
+"""
+
+from __future__ import annotations
+
+import cProfile
+import multiprocessing
+import pstats
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from harness.cli import parser
+from harness.copy_floor import copy_write_fsync, host_buffers
+from harness.dict_state import synthetic_state
+from harness.disk import settle
+from harness.machine import start_run
+from harness.paths import bench_root
+from harness.report import Report, progress, publish
+from harness.stats import interleave, median
+from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
+from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
+from harness.units import MiB, fmt_bytes, parse_size
+
+METHODS = [
+    "tierstate", "tierstate-1worker", "floor-thread", "floor-direct-thread", "floor-process", "tierstate-si0.5ms"
+]
+
+
+class TinyMLP:
+    """A trainer whose step is almost all Python and dispatch: three small linear layers, SGD."""
+
+    def __init__(self, width: int, batch: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, 10),
+        )
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(batch, width, generator=generator)
+        self.y = torch.randint(0, 10, (batch,), generator=generator)
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(self.model(self.x), self.y).backward()
+        self.optimizer.step()
+
+
+def _floor_child(sources: list[torch.Tensor], path: Path, conn: Any) -> None:
+    """The forked copy floor: buffers of its own, then one copy + write + fsync per message."""
+    buffers = host_buffers(sources)
+    conn.send("ready")
+    while conn.recv():
+        copy_write_fsync(sources, buffers, path)
+        conn.send("done")
+
+
+class Background:
+    """The methods, each as start() -> a poll that says whether the checkpoint is done."""
+
+    def __init__(self, state: Any, root: Path) -> None:
+        self.sources = list(state.tensors.values())
+        self.buffers = host_buffers(self.sources)
+        self.floor_file = root / "floor-thread.bin"
+        self.tierstate = TierstateCheckpointer(state, root / "tierstate", cache_bytes=cache_for(state.tensor_bytes))
+        one_worker = {"pipeline.stages.capture.workers": 1, "pipeline.stages.persist.workers": 1}
+        self.one_worker = TierstateCheckpointer(
+            state, root / "tierstate-1worker", cache_bytes=cache_for(state.tensor_bytes), overrides=one_worker
+        )
+        for ckpt in (self.tierstate, self.one_worker):
+            ckpt.save(0)  # warm-up: the plan, first-use imports
+            ckpt.drain()
+        self._conn, child = multiprocessing.get_context("fork").Pipe()
+        self._child = multiprocessing.get_context("fork").Process(
+            target=_floor_child, args=(self.sources, root / "floor-process.bin", child), daemon=True
+        )
+        self._child.start()
+        self._conn.recv()
+        self.step = 0
+        self.floor_cpu_s = 0.0
+
+    def start(self, method: str) -> Callable[[], bool]:
+        self.step += 1
+        if method.startswith("tierstate"):
+            ckpt = self.one_worker if method == "tierstate-1worker" else self.tierstate
+            handle = ckpt.runner.checkpoint(self.step)
+            return handle.done
+        if method in ("floor-thread", "floor-direct-thread"):
+            direct = method == "floor-direct-thread"
+            thread = threading.Thread(target=self._floor_thread, args=(direct,), name=method)
+            thread.start()
+            return lambda: not thread.is_alive()
+        if method == "floor-process":
+            self._conn.send(True)
+            return self._conn.poll
+        raise ValueError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
+
+    def _floor_thread(self, direct: bool) -> None:
+        """The copy floor on this thread, its CPU seconds kept (the thread is gone when the run reads them)."""
+        started = time.thread_time()
+        copy_write_fsync(self.sources, self.buffers, self.floor_file, direct)
+        self.floor_cpu_s = time.thread_time() - started
+
+    def finish(self, method: str) -> None:
+        if method == "floor-process":
+            self._conn.recv()
+        self.tierstate.clear()
+        self.one_worker.clear()
+        self.floor_file.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._conn.send(False)
+        self._child.join()
+        self.tierstate.close()
+        self.one_worker.close()
+
+
+def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps: int) -> dict[str, Any]:
+    """Steps alone, then steps while ``method`` checkpoints, until it is durable; per-step seconds of both."""
+    settle()
+    interval = sys.getswitchinterval()
+    if method.endswith("-si0.5ms"):
+        sys.setswitchinterval(0.0005)
+    try:
+        alone = []
+        for _ in range(warm_steps):
+            t = time.perf_counter()
+            trainer.step()
+            alone.append(time.perf_counter() - t)
+        before = cpu_by_thread()
+        started = time.perf_counter()
+        done = background.start(method)
+        during = []
+        while not done():
+            t = time.perf_counter()
+            trainer.step()
+            during.append(time.perf_counter() - t)
+        window = time.perf_counter() - started
+        cpu = cpu_delta_by_name(before, cpu_by_thread())
+    finally:
+        sys.setswitchinterval(interval)
+    if method in ("floor-thread", "floor-direct-thread"):
+        cpu[method] = background.floor_cpu_s
+    background.finish(method)
+    base = sum(alone) / len(alone)
+    mean = sum(during) / max(1, len(during))
+    stalls = [s for s in during if s > 5 * median(alone)]
+    return {"alone_s": alone, "during_s": during, "window_s": window, "inflation": mean / base - 1,
+            "lost_s": sum(during) - len(during) * base,
+            "median_inflation": median(during) / median(alone) - 1, "stalls": len(stalls),
+            "stall_s": sum(stalls), "cpu": cpu}
+
+
+def profile_pipeline(background: Background) -> None:
+    """One tierstate checkpoint with a cProfile in each pipeline thread; the top functions printed."""
+    profiles: list[tuple[str, cProfile.Profile]] = []
+
+    def start_profile(*_: object) -> None:
+        profile = cProfile.Profile()
+        profiles.append((threading.current_thread().name, profile))
+        profile.enable()  # replaces this hook for the rest of the thread
+
+    threading.setprofile(start_profile)
+    background.tierstate.close()  # a fresh runner, its threads started under the hook
+    state_root = background.tierstate.root
+    background.tierstate = TierstateCheckpointer(
+        background.tierstate.state, state_root, cache_bytes=cache_for(background.tierstate.state.tensor_bytes))
+    background.tierstate.save(1)  # its pools start their threads now, under the hook
+    background.tierstate.drain()
+    threading.setprofile(None)  # type: ignore[arg-type]
+    for profile_ in (p for _, p in profiles):
+        profile_.clear()  # only the timed checkpoint below
+    background.tierstate.clear()
+    background.tierstate.save(2)
+    background.tierstate.drain()
+    stats = None
+    for _, profile in profiles:
+        stats = pstats.Stats(profile) if stats is None else stats.add(profile)
+    if stats is not None:
+        print(f"cProfile of {len(profiles)} pipeline threads ({', '.join(sorted({n for n, _ in profiles}))}), "
+              "one checkpoint; tottime of Python functions = GIL held")
+        stats.sort_stats("tottime").print_stats(25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser("python_bound", __doc__, repeats=7, methods=METHODS, tag=True)
+    cli.add_argument("--size", default="512MiB", help="checkpointed state size")
+    cli.add_argument("--tensor-mb", type=int, default=16, help="MiB per tensor of the checkpointed state")
+    cli.add_argument("--width", type=int, default=128, help="MLP width (step time)")
+    cli.add_argument("--batch", type=int, default=16)
+    cli.add_argument("--warm-steps", type=int, default=1000, help="steps alone before each checkpoint")
+    cli.add_argument("--profile", action="store_true", help="cProfile the pipeline threads of one checkpoint instead")
+    args = cli.parse_args(argv)
+    facts = start_run()
+    torch.set_num_threads(1)
+    trainer = TinyMLP(args.width, args.batch)
+    for _ in range(200):
+        trainer.step()
+    state = synthetic_state(parse_size(args.size), args.tensor_mb * MiB, changes="never")
+    methods = args.methods.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    with bench_root("python_bound") as root:
+        background = Background(state, root)
+        try:
+            if args.profile:
+                profile_pipeline(background)
+                return 0
+            for repeat, method in interleave(methods, args.repeats):
+                run = timed_run(trainer, background, method, args.warm_steps)
+                runs[method].append(run)
+                progress(f"round {repeat + 1} {method:18s} step alone {median(run['alone_s']) * 1e6:.0f} us  "
+                         f"inflation {run['inflation']:+.0%} (median step {run['median_inflation']:+.0%})  "
+                         f"window {run['window_s']:.2f} s  lost {run['lost_s']:.3f} s  "
+                         f"stalls {run['stalls']} ({run['stall_s'] * 1e3:.0f} ms)")
+        finally:
+            background.close()
+    floor = "floor-thread" if "floor-thread" in runs else methods[0]
+    report = Report(
+        "python_bound",
+        f"Step-time inflation of a Python-bound trainer (MLP width {args.width}, batch {args.batch}, one torch "
+        f"thread) while {fmt_bytes(state.tensor_bytes)} is checkpointed, {args.repeats} interleaved rounds",
+        ["method", "step alone", "inflation (mean step)", "inflation (median step)", f"÷ {floor} (same round)",
+         "window", "trainer s lost", "stalls > 5x", "stall ms", "core-s of other threads"],
+    )
+    for method, method_runs in runs.items():
+        ratios = [r["inflation"] / f["inflation"] for r, f in zip(method_runs, runs[floor], strict=True)
+                  if f["inflation"] > 0]
+        other_cpu = [sum(v for k, v in r["cpu"].items() if k != "trainer (main)") for r in method_runs]
+        report.add(method, f"{median(median(r['alone_s']) for r in method_runs) * 1e6:.0f} us",
+                   f"{median(r['inflation'] for r in method_runs):+.1%}",
+                   f"{median(r['median_inflation'] for r in method_runs):+.1%}",
+                   f"{median(ratios):.2f}x", f"{median(r['window_s'] for r in method_runs):.2f} s",
+                   f"{median(r['lost_s'] for r in method_runs):.3f} s",
+                   f"{median(r['stalls'] for r in method_runs):.0f}",
+                   f"{median(r['stall_s'] for r in method_runs) * 1e3:.0f}",
+                   f"{median(other_cpu):.3f}")
+    report.note("floor-process's child is another process: its CPU is not in 'core-s of other threads'")
+    report.raw.update({"runs": runs, "args": vars(args), "state_bytes": state.tensor_bytes})
+    publish("python_bound", [report], facts, argv, args.results_dir, args.tag)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
