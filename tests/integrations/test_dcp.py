@@ -156,11 +156,7 @@ def test_two_rank_saves_both_ways_shards_as_dcp_chunks_and_dtensor_chunks_import
     out = tmp_path / "dcp"
     assert main(["export", "1", str(out), "--format", "dcp", "--tier", f"nvme={tiers}"]) == 0
 
-    sys.path.insert(0, str(HERE))
-    try:
-        from dcp_worker import SHAPE, expected
-    finally:
-        sys.path.remove(str(HERE))
+    from dcp_worker import SHAPE, expected  # beside this file: pytest puts its folder on sys.path
     model, optimizer, whole = expected()
     chunks = dcp.FileSystemReader(str(out)).read_metadata().state_dict_metadata["shards.w"].chunks
     assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [((0, 0), (4, 5)), ((4, 0), (3, 5))]
