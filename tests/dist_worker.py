@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.nn.parallel import DistributedDataParallel
+from toy_regression import model_and_optimizer, train_step
 
 from tierstate import NothingToRestoreError, TierstateError
 from tierstate.pipeline.distributed import EXIT_BEFORE_VOTE_ENV
@@ -237,18 +237,11 @@ def failures_restore(s: Scenario) -> None:
 
 
 def _ddp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model_and_optimizer(seed, width=16, ddp=True)
 
 
 def _ddp_step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
-    x = torch.randn(8, 16)
-    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return train_step(model, opt, torch.randn(8, 16))
 
 
 def _ddp_runner(s: Scenario, model: nn.Module, opt: torch.optim.Optimizer, counter: dict) -> Runner:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from toy_regression import model_and_optimizer, train_step
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
@@ -42,19 +43,8 @@ def runner(workdir: Path, memory: Path) -> Runner:
     })  # fmt: skip
 
 
-def model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
 def step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
-    x = torch.randn(16, 32)
-    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return train_step(model, opt, torch.randn(16, 32))
 
 
 def register(run: Runner, model: nn.Module, opt: torch.optim.Optimizer, counter: dict) -> None:
@@ -64,7 +54,7 @@ def register(run: Runner, model: nn.Module, opt: torch.optim.Optimizer, counter:
 
 
 def train(workdir: Path, memory: Path, crash: bool) -> dict:
-    model, opt = model_and_optimizer(seed=0)
+    model, opt = model_and_optimizer(seed=0, width=32)
     torch.manual_seed(1)
     counter = {"step": 0}
     run = runner(workdir, memory)
@@ -84,7 +74,7 @@ def train(workdir: Path, memory: Path, crash: bool) -> dict:
 
 
 def resume(workdir: Path, memory: Path) -> dict:
-    model, opt = model_and_optimizer(seed=123)
+    model, opt = model_and_optimizer(seed=123, width=32)
     torch.manual_seed(7)  # overwritten by the restored RNG state
     counter = {"step": -1}
     run = runner(workdir, memory)

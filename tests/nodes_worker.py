@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from toy_regression import model_and_optimizer, train_step
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
@@ -53,18 +53,11 @@ def _runner(workdir: Path, memory: bool = True, replicas: int = 0) -> Runner:
 
 
 def _ddp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model_and_optimizer(seed, width=16, ddp=True)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
-    x = torch.randn(8, 16)  # each rank its own data, from its own RNG stream
-    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return train_step(model, opt, torch.randn(8, 16))  # each rank its own data, from its own RNG stream
 
 
 def _register(runner: Runner, model: nn.Module, opt: torch.optim.Optimizer, counter: dict) -> None:
