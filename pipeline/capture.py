@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..tiers import faults
+from ..tiers.format import checksum
 from ..tiers.hostcache import Slab
 from .plan import ChunkPlan, TensorPiece
 from .plan_cache import EagerSources
@@ -41,11 +42,17 @@ class SlabCopier:
         return self._streams[device]
 
     def copy(
-        self, plan: ChunkPlan, slab: Slab, ready: torch.cuda.Event | None, sources: EagerSources | None = None
+        self,
+        plan: ChunkPlan,
+        slab: Slab,
+        ready: torch.cuda.Event | None,
+        sources: EagerSources | None = None,
+        hash_raw: bool = True,
     ) -> Chunk:
         """Copy every piece of ``plan`` into ``slab``; returns when the bytes are in host memory.
 
         ``sources``: where the items copied in batches on the trainer's thread have their bytes (plan_cache.py).
+        ``hash_raw``: checksum the chunk now (False when compression will store other bytes anyway).
         """
         where = sources.where if sources is not None else {}
         program = plan.program
@@ -67,8 +74,16 @@ class SlabCopier:
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         faults.point("capture")
+        raw = slab.view(plan.nbytes)
+        # Hashed here, right after the copy, while the chunk's tail is still in the CPU's cache:
+        # persist then only writes (one busy thread per chunk, not two), and the checksum covers
+        # the bytes as captured, so a slab changed between capture and write fails verification.
         return Chunk(
-            entries=program.entries, raw=slab.view(plan.nbytes), slab=slab, element_size=program.element_size
+            entries=program.entries,
+            raw=raw,
+            slab=slab,
+            element_size=program.element_size,
+            raw_checksum=checksum(raw) if hash_raw else None,
         )
 
     def _copy_from_gpu(self, pieces: list[TensorPiece], dst: torch.Tensor, ready: torch.cuda.Event | None) -> None:

@@ -75,6 +75,9 @@ class CheckpointJob:
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
         self._writer: TierWriter | None = None
+        compress = ctx.config.stage_of_kind("compress")
+        # Capture checksums each chunk while it is hot in the cache, unless compression stores other bytes.
+        self._hash_raw = not isinstance(compress, CompressStage) or compress.codec == "none"
 
     async def run(self) -> Path:
         tier = self.ctx.tier
@@ -195,7 +198,8 @@ class CheckpointJob:
         slab = await self.ctx.cache.acquire()
         self.stats.cache_wait_s += time.monotonic() - asked
         self._held.add(slab)
-        chunk = await run_blocking(self.ctx.compute, self.ctx.copier.copy, unit, slab, self.ready, self.sources)
+        copy = self.ctx.copier.copy
+        chunk = await run_blocking(self.ctx.compute, copy, unit, slab, self.ready, self.sources, self._hash_raw)
         self._to_capture -= 1
         if self._to_capture == 0:
             self._captured()

@@ -48,6 +48,14 @@ class Chunk:
     shuffle: ShuffleWidth = 1
     element_size: int = 1  # the byte-shuffle width that suits this chunk's dtypes
     stored: memoryview | bytes | None = None  # the compressed form of ``raw``, if compression shrank it
+    # The checksum of ``raw`` (tiers.format.checksum), taken by whoever filled it while its bytes were
+    # still in the CPU's cache (capture), so that writing it does not read every byte once more.
+    raw_checksum: str | None = None
+
+    @property
+    def payload_checksum(self) -> str | None:
+        """The checksum of :attr:`payload` if already known (raw bytes hashed when filled), else None."""
+        return self.raw_checksum if self.stored is None else None
 
     @property
     def payload(self) -> memoryview | bytes:

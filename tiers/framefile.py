@@ -55,20 +55,21 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         offset += written
 
 
-def _hash_and_write(fd: int, data: bytes | memoryview, offset: int) -> str:
-    """``pwrite`` all of ``data`` at ``offset``; the checksum of exactly the bytes handed to the kernel."""
+def _hash_and_write(fd: int, data: bytes | memoryview, offset: int, known: str | None = None) -> str:
+    """``pwrite`` all of ``data`` at ``offset``; the checksum of exactly the bytes handed to the kernel
+    (``known``: taken already from these very bytes, which nobody changed since)."""
     view = memoryview(data).cast("B")
-    digest = checksum(view)
+    digest = known or checksum(view)
     _write_all(fd, view, offset)
     return digest
 
 
-def _hash_and_write_direct(fd: int, slab: Slab, length: int, offset: int) -> str:
+def _hash_and_write_direct(fd: int, slab: Slab, length: int, offset: int, known: str | None) -> str:
     """Write the slab's first ``length`` bytes with O_DIRECT, zero-padded to the next 4 KiB."""
     padded = align_up(length, DIRECT_ALIGN)
     if padded > length:
         slab.tensor[length:padded].zero_()  # no stale bytes of an earlier checkpoint on disk
-    digest = checksum(slab.view(length))
+    digest = known or checksum(slab.view(length))
     _write_all(fd, slab.view(padded), offset)
     return digest
 
@@ -188,7 +189,7 @@ class FrameFile:
         if self._can_write_direct(chunk, offset, length):
             digest = self._write_direct(chunk, length, offset)
         if digest is None:
-            digest = self._write_at(index, offset, payload)
+            digest = self._write_at(index, offset, payload, chunk.payload_checksum)
         record = FrameRecord(
             offset=offset,
             length=length,
@@ -230,7 +231,7 @@ class FrameFile:
         """The frame written with O_DIRECT, its checksum; None if refused (then it goes buffered)."""
         assert chunk.slab is not None
         try:
-            digest = _hash_and_write_direct(self._direct_fd, chunk.slab, length, offset)
+            digest = _hash_and_write_direct(self._direct_fd, chunk.slab, length, offset, chunk.payload_checksum)
         except OSError as exc:
             # The buffered descriptor writes this frame again; its failures are the ones reported.
             if exc.errno == errno.EINVAL:  # a block size or alignment O_DIRECT refuses: buffered from now on
@@ -283,9 +284,9 @@ class FrameFile:
         self._end = max(self._end, offset + length)
         return len(self._frames) - 1
 
-    def _write_at(self, index: int, offset: int, data: bytes | memoryview) -> str:
+    def _write_at(self, index: int, offset: int, data: bytes | memoryview, known: str | None = None) -> str:
         try:
-            return _hash_and_write(self._fd, data, offset)
+            return _hash_and_write(self._fd, data, offset, known)
         except OSError as exc:
             exc.add_note(f"frame {index} at offset {offset}")  # where in the file: the caller names the file
             raise

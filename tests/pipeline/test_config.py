@@ -4,6 +4,7 @@ reported with its file, key path and a message that says what to fix."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tierstate.pipeline.config import (
     ConfigError,
     PersistStage,
     PipelineConfig,
+    capture_workers_for_host,
     config_path,
     load_config,
     packaged_configs,
@@ -170,9 +172,19 @@ def test_defaults_and_kind_from_stage_name(tmp_path: Path) -> None:
     assert cfg.chunk_size == 16 * MiB and cfg.align == 4096 and cfg.host_cache.size == 256 * MiB
     assert [stage.kind for _, stage in cfg.chain()] == ["capture", "serialize", "compress", "persist"]
     capture = cfg.stage_of_kind("capture")
-    assert capture is not None and (capture.workers, capture.queue) == (1, 4)
+    assert capture is not None and (capture.workers, capture.queue) == (capture_workers_for_host(), 4)
     compress = cfg.stage_of_kind("compress")
     assert isinstance(compress, CompressStage) and compress.codec == "zstd"
+
+
+def test_capture_workers_auto_leaves_the_trainer_a_core(tmp_path: Path) -> None:
+    """``auto`` is resolved at load: the cores this process may use less one, 1..2; a number is kept."""
+    cores = len(os.sched_getaffinity(0))
+    assert capture_workers_for_host() == max(1, min(2, cores - 1))
+    data = minimal(pipeline__stages__capture__workers="auto")
+    assert load_config(write(tmp_path, data)).pipeline.stages["capture"].workers == capture_workers_for_host()
+    data = minimal(pipeline__stages__capture__workers=3)
+    assert load_config(write(tmp_path, data)).pipeline.stages["capture"].workers == 3
 
 
 def test_explicit_kind_and_optional_compress(tmp_path: Path) -> None:
@@ -280,7 +292,7 @@ def test_wrong_type_names_expected_and_given(tmp_path: Path) -> None:
     data["pipeline"]["stages"]["capture"]["workers"] = "two"
     assert problems_of(tmp_path, data) == [
         "tiers.pfs.path: must be a path string, got 3 (integer)",
-        "pipeline.stages.capture.workers: must be a valid integer, got 'two' (string)",
+        "pipeline.stages.capture.workers: must be a whole number of workers or 'auto', got 'two'",
         "policies.allow_pickle: must be a valid boolean, got 'yes please' (string)",
     ]
 

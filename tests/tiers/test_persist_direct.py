@@ -109,6 +109,35 @@ def test_a_retried_frame_keeps_its_place_and_no_padding_reaches_the_next(tmp_pat
     assert writer.direct_frames == 0
 
 
+@pytest.mark.parametrize("io", ["auto", "buffered"])
+def test_the_checksum_taken_at_capture_is_the_one_stored(tmp_path: Path, io: str) -> None:
+    """Capture hashes a chunk as it fills it; the writer stores that checksum without hashing again.
+
+    So bytes changed in the slab between capture and the write (a stray write into the host cache)
+    are caught when the frame is read, instead of being hashed anew and stored as if captured.
+    """
+    cache = HostCache(4 * SLAB, SLAB, pinned=False)
+    captured = os.urandom(3 * DIRECT_ALIGN + 5)
+    intact, changed = _chunk(cache._slabs[0], captured), _chunk(cache._slabs[1], captured)
+    intact.raw_checksum = changed.raw_checksum = checksum(captured)
+    changed.slab.tensor[100] ^= 0xFF  # after capture, before persist
+    _, frames = _write(tmp_path / "f.data", [intact, changed], io)
+    data = (tmp_path / "f.data").read_bytes()
+    assert frames[0].checksum == frames[1].checksum == checksum(captured)
+    assert checksum(data[frames[0].offset : frames[0].offset + frames[0].length]) == frames[0].checksum
+    assert checksum(data[frames[1].offset : frames[1].offset + frames[1].length]) != frames[1].checksum
+
+
+def test_a_compressed_frame_is_hashed_as_stored(tmp_path: Path) -> None:
+    """The capture checksum is of the raw bytes; a frame stored compressed gets the checksum of what it stores."""
+    slab = HostCache(4 * SLAB, SLAB, pinned=False)._slabs[0]
+    chunk = _chunk(slab, b"c" * 9000)
+    chunk.raw_checksum = checksum(b"c" * 9000)
+    chunk.stored = b"compressed"
+    _, frames = _write(tmp_path / "f.data", [chunk])
+    assert frames[0].checksum == checksum(b"compressed")
+
+
 def _eio(_path: Path | None) -> None:
     raise OSError(errno.EIO, os.strerror(errno.EIO))
 
