@@ -21,6 +21,7 @@ from tierstate.errors import TierstateError
 from ..providers.base import ReadState
 from ..providers.composite import CompositeProvider
 from ..tiers.filesystem import FilesystemTier
+from ..tiers.gcpause import gc_paused
 from ..tiers.locks import reading
 from ..tiers.reader import COPY_ERRORS, read_items
 
@@ -147,7 +148,8 @@ def restore_into(
             lost = lost_steps(tiers, step, newest)
             for problem in lost:
                 log.warning("restore: passed over %s", problem)
-            provider.restore(state)
+            with gc_paused():  # one copy per item: see tiers/gcpause.py
+                provider.restore(state)
             seconds = time.perf_counter() - started
             problems = lost + problems
             return RestoreResult(

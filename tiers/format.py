@@ -32,6 +32,7 @@ from tierstate.errors import TierstateError
 from .boxes import Box, tiling_problem
 from .codecs import Codec, ShuffleWidth
 from .dtypes import UnknownDtypeError, dtype_from_name
+from .gcpause import gc_paused
 from .names import data_file_name, data_file_rank, parse_rank_file
 from .safeopen import UnsafeFileError, read_bytes
 
@@ -470,7 +471,8 @@ def read_manifest(directory: Path) -> Manifest:
         raise ManifestError(exc.strerror) from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest: {exc.strerror}") from None
-    return parse_manifest(raw, str(path))
+    with gc_paused():  # 10^5 items are millions of objects: see tiers/gcpause.py
+        return parse_manifest(raw, str(path))
 
 
 def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[str, Any]]) -> bytes:

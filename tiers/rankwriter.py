@@ -29,6 +29,7 @@ from .format import (
     tensor_body,
 )
 from .framefile import FrameFile
+from .gcpause import gc_paused
 from .hdf5 import Hdf5Container
 from .names import data_file_name, hdf5_file_name, index_file_name
 from .safeopen import write_durably
@@ -92,10 +93,11 @@ class RankWriter:
 
     def write_index(self, file: FileRecord) -> ManifestBody:
         """Write the index durably; this rank's manifest body, naming the index. Safe to repeat."""
-        items = self._items()
-        index = index_bytes(self.rank, self.step, file, items)
-        write_durably(self.index_path, index)
-        manifest = manifest_body(self.step, {self.container.name: file}, items)
+        with gc_paused():  # a record per item, while the trainer runs: see tiers/gcpause.py
+            items = self._items()
+            index = index_bytes(self.rank, self.step, file, items)
+            write_durably(self.index_path, index)
+            manifest = manifest_body(self.step, {self.container.name: file}, items)
         manifest["indexes"] = {self.index_path.name: checksum(index)}
         return manifest
 

@@ -28,6 +28,7 @@ from .format import (
     read_manifest,
     stored_key,
 )
+from .gcpause import gc_paused
 from .multirank import rank_view
 from .objcodec import decode_object
 from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what load and read_items raise
@@ -51,6 +52,13 @@ def read_items(
 
     Of a multi-rank checkpoint, sharded tensors come back whole and per-rank items as rank 0's.
     """
+    with gc_paused():  # a buffer, a view and a record per item: see tiers/gcpause.py
+        return _read_items(directory, manifest, keys, allow_pickle, workers)
+
+
+def _read_items(
+    directory: Path, manifest: Manifest | None, keys: Iterable[str] | None, allow_pickle: bool, workers: int
+) -> dict[str, Any]:
     manifest = manifest or read_manifest(directory)
     wanted = list(manifest.items) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in manifest.items]
