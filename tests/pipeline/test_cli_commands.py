@@ -131,7 +131,8 @@ def test_ctrl_c_during_migrate_prints_one_line_exits_130_and_the_next_run_resume
     def press_ctrl_c(path: Path | None) -> None:
         copied.append(path)
         if len(copied) == 2:  # a real SIGINT, as the terminal sends it: Python raises KeyboardInterrupt
-            os.kill(os.getpid(), signal.SIGINT)
+            # Raised in this (the main) thread: os.kill may deliver it to any other thread of the process.
+            signal.raise_signal(signal.SIGINT)
 
     with faults.inject("migrate.frame", press_ctrl_c):
         assert cli.main(args) == 130
