@@ -134,8 +134,13 @@ def test_ctrl_c_during_migrate_prints_one_line_exits_130_and_the_next_run_resume
             # Raised in this (the main) thread: os.kill may deliver it to any other thread of the process.
             signal.raise_signal(signal.SIGINT)
 
-    with faults.inject("migrate.frame", press_ctrl_c):
-        assert cli.main(args) == 130
+    # What a terminal's Ctrl-C meets in a plain CLI process, whatever an earlier test left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with faults.inject("migrate.frame", press_ctrl_c):
+            assert cli.main(args) == 130, f"SIGINT handler before the test: {previous!r}"
+    finally:
+        signal.signal(signal.SIGINT, previous)
     out, err = capsys.readouterr()
     assert err == "tierstate migrate: interrupted\n" and out == ""
     assert pfs.steps() == [] and pfs.partial_dir(3).is_dir()
