@@ -75,9 +75,9 @@ class SlabCopier:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         faults.point("capture")
         raw = slab.view(plan.nbytes)
-        # Hashed here, right after the copy, while the chunk's tail is still in the CPU's cache:
-        # persist then only writes (one busy thread per chunk, not two), and the checksum covers
-        # the bytes as captured, so a slab changed between capture and write fails verification.
+        # Hashed here, by the thread that filled it: persist then only writes (one busy thread per
+        # chunk, not two), and the checksum covers the bytes as captured, so a slab changed between
+        # capture and write fails verification.
         return Chunk(
             entries=program.entries,
             raw=raw,

@@ -48,8 +48,8 @@ class Chunk:
     shuffle: ShuffleWidth = 1
     element_size: int = 1  # the byte-shuffle width that suits this chunk's dtypes
     stored: memoryview | bytes | None = None  # the compressed form of ``raw``, if compression shrank it
-    # The checksum of ``raw`` (tiers.format.checksum), taken by whoever filled it while its bytes were
-    # still in the CPU's cache (capture), so that writing it does not read every byte once more.
+    # The checksum of ``raw`` (tiers.format.checksum), taken by whoever filled it (capture): the writer
+    # stores it as is, so bytes changed in between fail verification instead of being hashed anew.
     raw_checksum: str | None = None
 
     @property

@@ -42,7 +42,6 @@ from .format import (
     manifest_bytes,
     read_manifest,
 )
-from .gcpause import gc_paused
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
 from .safeopen import kind_of, open_read, write_durably
 
@@ -204,9 +203,7 @@ class FilesystemTier:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        with gc_paused():  # the manifest of 10^5 items: see tiers/gcpause.py
-            document = manifest_bytes(manifest)
-        write_durably(partial / MANIFEST_NAME, document)
+        write_durably(partial / MANIFEST_NAME, manifest_bytes(manifest))
         fsync_dir(partial)
         faults.point("commit.manifest", partial)
         final = self.step_dir(step)

@@ -309,6 +309,7 @@ def manifest_body(step: int, files: dict[str, FileRecord], items: dict[str, dict
     return body
 
 
+@gc_paused()  # the manifest of 10^5 items: see tiers/gcpause.py
 def manifest_bytes(manifest: Manifest | ManifestBody) -> bytes:
     """JSON with a self-checksum over the canonical body, so an edited manifest is detected."""
     body = manifest.model_dump(mode="json") if isinstance(manifest, Manifest) else manifest
@@ -351,6 +352,7 @@ def _parse_as_written(raw: bytes) -> Manifest | None:
     return manifest if 1 <= manifest.version <= FORMAT_VERSION else None
 
 
+@gc_paused()  # 10^5 items are millions of objects: see tiers/gcpause.py
 def parse_manifest(raw: bytes, source: str) -> Manifest:
     """Parse and fully validate a manifest; every problem is a ManifestError naming ``source``."""
     manifest = _parse_as_written(raw)
@@ -471,8 +473,7 @@ def read_manifest(directory: Path) -> Manifest:
         raise ManifestError(exc.strerror) from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest: {exc.strerror}") from None
-    with gc_paused():  # 10^5 items are millions of objects: see tiers/gcpause.py
-        return parse_manifest(raw, str(path))
+    return parse_manifest(raw, str(path))
 
 
 def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[str, Any]]) -> bytes:

@@ -9,7 +9,8 @@ export, verify) goes through this module, so they all agree on what "the same by
 chunk as one frame at the next ``align`` boundary; the HDF5 container uses it to put frames at its
 datasets' addresses and to checksum the bytes the HDF5 library wrote itself. Offsets are reserved
 in order and writes run concurrently, so several threads can ``pwrite`` at once without a lock
-around the file; each checksum is computed from the very bytes handed to the kernel.
+around the file; each checksum is either the one capture took of the chunk (stored as is, so bytes
+changed since fail verification) or computed from the very bytes handed to the kernel.
 
 Raw frames still in their host-cache slab are written with ``O_DIRECT`` where the file system
 allows it (``io="auto"``): a buffered write first copies every byte into the page cache and the
@@ -56,8 +57,8 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _hash_and_write(fd: int, data: bytes | memoryview, offset: int, known: str | None = None) -> str:
-    """``pwrite`` all of ``data`` at ``offset``; the checksum of exactly the bytes handed to the kernel
-    (``known``: taken already from these very bytes, which nobody changed since)."""
+    """``pwrite`` all of ``data`` at ``offset``; its checksum: ``known`` (taken when the bytes were
+    captured, stored as is) or else computed from exactly the bytes handed to the kernel."""
     view = memoryview(data).cast("B")
     digest = known or checksum(view)
     _write_all(fd, view, offset)

@@ -96,8 +96,8 @@ class RankWriter:
         with gc_paused():  # a record per item, while the trainer runs: see tiers/gcpause.py
             items = self._items()
             index = index_bytes(self.rank, self.step, file, items)
-            write_durably(self.index_path, index)
             manifest = manifest_body(self.step, {self.container.name: file}, items)
+        write_durably(self.index_path, index)
         manifest["indexes"] = {self.index_path.name: checksum(index)}
         return manifest
 

@@ -41,6 +41,7 @@ from .reshard import Region, global_shape, read_regions
 COPY_ERRORS = (ManifestError, CorruptCheckpointError, ReadTooLargeError, MissingItemError, OSError)
 
 
+@gc_paused()  # a buffer, a view and a record per item: see tiers/gcpause.py
 def read_items(
     directory: Path,
     manifest: Manifest | None = None,
@@ -52,13 +53,6 @@ def read_items(
 
     Of a multi-rank checkpoint, sharded tensors come back whole and per-rank items as rank 0's.
     """
-    with gc_paused():  # a buffer, a view and a record per item: see tiers/gcpause.py
-        return _read_items(directory, manifest, keys, allow_pickle, workers)
-
-
-def _read_items(
-    directory: Path, manifest: Manifest | None, keys: Iterable[str] | None, allow_pickle: bool, workers: int
-) -> dict[str, Any]:
     manifest = manifest or read_manifest(directory)
     wanted = list(manifest.items) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in manifest.items]
