@@ -3,9 +3,12 @@ tensors in a few batched calls: what keeps the trainer's side of ``checkpoint()`
 
 Describing, planning and cloning cost a few microseconds per tensor in Python, which is most of a
 second for 10^5 small tensors (optimizer state of a large or mixture-of-experts model). A provider
-that can list its tensors cheaply (``tensor_batch()``, e.g. :class:`TensorDictProvider`) is planned
-once; on later checkpoints the runner only checks, in C loops, that it lists the very same tensor
-objects under the same keys, and reuses the plan. Its eager tensors (see laziness.py) are then
+that can list its tensors cheaply (``tensor_batch()``: :class:`TensorDictProvider`, :class:`ModuleProvider`,
+:class:`OptimizerProvider`) is described and planned once, after checking that the listing is what
+``describe()`` gives (same keys, memory and ``changes``; its other items alike); on later checkpoints
+the runner only checks, in C loops, that it lists the very same tensor objects under the same keys
+and ``changes``, and reuses the plan. The items listed apart (an optimizer's skeleton with its
+learning rates) are planned afresh at every request. Its eager tensors (see laziness.py) are then
 copied on the trainer's thread by one ``torch.stack`` per (dtype, shape) group, which also checks
 that every tensor still has its planned shape (stack refuses any other) and no wider dtype (the
 stack's dtype would widen); capture copies their bytes out of those stacks.
@@ -33,7 +36,8 @@ import torch
 from tierstate.errors import TierstateError
 
 from ..providers.composite import CompositeProvider
-from ..providers.items import Batched, Item, TensorBatch, TensorItem
+from ..providers.dtensor import is_dtensor
+from ..providers.items import Batched, Item, ObjectItem, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
 
@@ -55,7 +59,8 @@ class EagerGroup:
     def stack(self) -> torch.Tensor | None:
         """The stacked copy, or None if a tensor no longer has the planned shape or dtype."""
         try:
-            copy = torch.stack(self.tensors)
+            with torch.no_grad():  # a module's parameters are listed as themselves: no autograd graph for the copy
+                copy = torch.stack(self.tensors)
         except RuntimeError:  # stack refuses tensors of different shapes
             return None
         if copy.dtype != self.dtype or tuple(copy.shape[1:]) != self.shape or copy.device.type != "cpu":
@@ -150,7 +155,8 @@ class PlanCache:
     def prepare(self, providers: CompositeProvider, rules: CaptureRules) -> Prepared | None:
         """The plan and the eager copies of this checkpoint, or None when no provider offers a batch."""
         leaves = providers.leaves()
-        batches = {path: leaf.tensor_batch() for path, leaf in leaves if isinstance(leaf, Batched)}
+        listed = {path: leaf.tensor_batch() for path, leaf in leaves if isinstance(leaf, Batched)}
+        batches = {path: batch for path, batch in listed.items() if batch is not None}
         if not batches or (self._refused is not None and same_batches(batches, self._refused)):
             return None
         covered = rules.covered()
@@ -166,6 +172,7 @@ class PlanCache:
                 return None
         assert entry is not None  # matched, or just built
         others = [_prefixed(path, item) for path, leaf in leaves if path not in batches for item in leaf.describe()]
+        others += [_prefixed(path, item) for path, batch in batches.items() for item in batch.others]
         rest = plan_checkpoint(others, self.chunk_size)
         snapshot, copies = rules.snapshot_eager(rest.tensors)
         plan = _combine(entry.plan, rest)
@@ -204,12 +211,10 @@ def _build(
     items: list[TensorItem] = []
     for path, batch in batches.items():
         described = leaves[path].describe()  # type: ignore[attr-defined]
-        if [i.key for i in described] != list(batch.keys) or not all(
-            isinstance(i, TensorItem) and i.tensor is t and i.changes == batch.changes
-            for i, t in zip(described, batch.tensors, strict=True)
-        ):
+        planned = _as_described(batch, described, f"{path}/")
+        if planned is None:
             return None
-        items += [TensorItem(f"{path}/{i.key}", i.tensor, i.shard, i.replicated, i.changes) for i in described]
+        items += planned
     if any(item.tensor.device.type != "cpu" for item in items):
         return None
     plan = plan_checkpoint(items, chunk_size)
@@ -233,6 +238,56 @@ def _build(
     return Entry(
         batches, covered, plan, eager_groups, where, eager_bytes, uncovered, planned, list(map(_FORM, planned))
     )
+
+
+def _as_described(batch: TensorBatch, described: list[Item], prefix: str) -> list[TensorItem] | None:
+    """The batch's tensors as ``describe()`` describes them (shard, replication, ``changes``), each holding the
+    batch's own object, keyed after ``prefix``; None unless ``describe()`` gives exactly the batch's items and
+    ``others``, alike."""
+    by_key = {item.key: item for item in described}
+    others = {item.key: item for item in batch.others}
+    if len(by_key) != len(described) or len(others) + len(batch.keys) != len(by_key):
+        return None
+    if by_key.keys() != {*batch.keys, *others}:
+        return None
+    items = []
+    for index, (key, tensor) in enumerate(zip(batch.keys, batch.tensors, strict=True)):
+        item = by_key[key]
+        if not isinstance(item, TensorItem) or item.changes != batch.changes_of(index):
+            return None
+        if not _same_view(item.tensor, tensor):
+            return None
+        items.append(TensorItem(prefix + key, tensor, item.shard, item.replicated, item.changes))
+    if not all(_alike(by_key[key], other) for key, other in others.items()):
+        return None
+    return items
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are one object, or plain tensors viewing the same memory alike (a detached alias)."""
+    if a is b:
+        return True
+    if is_dtensor(a) or is_dtensor(b):
+        return False
+    return (
+        _FORM(a) == _FORM(b)
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+
+
+def _alike(described: Item, listed: Item) -> bool:
+    """Whether an item listed afresh with a batch is what ``describe()`` gave (same kind, options and value)."""
+    if isinstance(described, TensorItem) and isinstance(listed, TensorItem):
+        return _same_view(described.tensor, listed.tensor) and described.changes == listed.changes
+    if isinstance(described, ObjectItem) and isinstance(listed, ObjectItem):
+        try:
+            same = bool(described.value == listed.value)
+        except Exception:  # a value whose comparison fails or is not a truth value: not known to be alike
+            return False
+        return same and (described.serializer, described.replicated) == (listed.serializer, listed.replicated)
+    return False
 
 
 def _combine(first: CheckpointPlan, second: CheckpointPlan) -> CheckpointPlan:

@@ -89,20 +89,28 @@ Item = TensorItem | ObjectItem
 
 @dataclass(frozen=True)
 class TensorBatch:
-    """A provider's tensors as they are now, in the order and with the ``changes`` its ``describe`` gives them.
+    """What a provider's ``describe`` would give, listed in C loops: its tensor items as parallel tuples
+    (keys, tensor objects, ``changes``), and the few other items described afresh.
 
-    Built in C loops (a dict's keys and values as tuples), so a runner can see at the cost of an
-    identity comparison that the state still holds the very tensor objects it planned last time
-    and reuse that plan instead of describing 10^5 items again (pipeline/plan_cache.py).
+    A runner that sees the very tensor objects under the same keys and ``changes`` it planned last
+    time reuses that plan instead of describing 10^5 items again (pipeline/plan_cache.py). The
+    tensors are the live objects themselves (a module's ``Parameter``, not a detached alias), so a
+    later ``p.data = ...`` is followed; ``others`` are the items that must be snapshotted at every
+    request (an optimizer's skeleton with its learning rates, a module's extra state).
     """
 
     keys: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
-    changes: Changes
+    changes: Changes | tuple[Changes, ...]  # one for all the tensors, or one each
+    others: tuple[Item, ...] = ()
+
+    def changes_of(self, index: int) -> Changes:
+        return self.changes if isinstance(self.changes, str) else self.changes[index]
 
 
 @runtime_checkable
 class Batched(Protocol):
-    """A provider that can list its tensors as one :class:`TensorBatch` (e.g. TensorDictProvider)."""
+    """A provider that can list its tensors as one :class:`TensorBatch`, or None when it cannot this time
+    (then it is described item by item)."""
 
-    def tensor_batch(self) -> TensorBatch: ...
+    def tensor_batch(self) -> TensorBatch | None: ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch import nn
 from .base import RestoreError, shown
 from .dtensor import like_live, tensor_item
 from .fit import misfits, require_fit
-from .items import Changes, Item, ObjectItem, Serializer
+from .items import Changes, Item, ObjectItem, Serializer, TensorBatch
 
 DDP_PREFIX = "module."  # what DistributedDataParallel puts before every key of the model it wraps
 
@@ -34,6 +34,10 @@ class ModuleProvider:
         self.module = module
         self.serializer: Serializer = serializer
         self.replicated = replicated
+        # tensor_batch(): the entry types its changes were worked out for, and where the frozen parameters are
+        self._listed_types: tuple[type, ...] | None = None
+        self._frozen: list[int] | None = None
+        self._listed_changes: tuple[Changes, ...] = ()
 
     @property
     def _owner(self) -> str:
@@ -49,6 +53,35 @@ class ModuleProvider:
             else ObjectItem(name, copy.deepcopy(value), self.serializer, self.replicated)
             for name, value in self.module.state_dict().items()
         ]
+
+    def tensor_batch(self) -> TensorBatch:
+        """What :meth:`describe` gives, listed for plan reuse (pipeline/plan_cache.py): the live parameter and
+        buffer objects (``state_dict(keep_vars=True)``: every hook runs, no detached alias is made, ~5x
+        cheaper for 10^5 entries), each one's ``changes`` read off the object, other entries as objects.
+
+        The ``changes`` are worked out again when an entry's type changed, or a frozen parameter (lazy:
+        ``never``) was unfrozen; a trainable one that was frozen may keep ``step`` (lazy where an attached
+        optimizer holds it, else copied at once: safe either way), which spares touching 10^5 tensors.
+        """
+        state = self.module.state_dict(keep_vars=True)
+        values = tuple(state.values())
+        types = tuple(map(type, values))
+        if types != self._listed_types:
+            if not all(issubclass(kind, torch.Tensor) for kind in set(types)):
+                return self._mixed_batch(state)
+            self._listed_types, self._frozen = types, None
+        if self._frozen is None or any(values[i].requires_grad for i in self._frozen):
+            self._listed_changes = _changes_of(values)
+            self._frozen = [i for i, changes in enumerate(self._listed_changes) if changes == "never"]
+        return TensorBatch(tuple(state), values, self._listed_changes)
+
+    def _mixed_batch(self, state: dict[str, Any]) -> TensorBatch:
+        """A state dict with extra state (objects) besides its tensors: those are snapshotted every time."""
+        self._listed_types = None
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        extra = ((k, v) for k, v in state.items() if k not in tensors)
+        others = tuple(ObjectItem(k, copy.deepcopy(v), self.serializer, self.replicated) for k, v in extra)
+        return TensorBatch(tuple(tensors), tuple(tensors.values()), _changes_of(tensors.values()), others)
 
     def check(self, state: Mapping[str, Any]) -> None:
         """The same keys as ``state_dict()``, each tensor of the live shape and dtype; nothing is changed."""
@@ -93,3 +126,15 @@ def _changes(param: nn.Parameter | None) -> Changes:
     if param is None:
         return "any"
     return "step" if param.requires_grad else "never"
+
+
+def _changes_of(values: Iterable[torch.Tensor]) -> tuple[Changes, ...]:
+    return tuple(map(_batched_changes, values))  # pyright: ignore[reportReturnType]  # map widens the Literal
+
+
+def _batched_changes(value: torch.Tensor) -> Changes:
+    """:func:`_changes` from the object ``state_dict(keep_vars=True)`` gives: a parameter is itself there.
+    The plan cache compares these with :meth:`ModuleProvider.describe`'s before it relies on them."""
+    if not isinstance(value, nn.Parameter):
+        return "any"
+    return "step" if value.requires_grad else "never"

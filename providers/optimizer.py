@@ -9,7 +9,8 @@ import torch
 
 from .base import ReadState, RestoreError, fresh_keys
 from .dtensor import is_dtensor, layout_target, like_live
-from .items import Item, Serializer, TensorItem
+from .items import Item, Serializer, TensorBatch, TensorItem
+from .optimizer_batch import StateLister
 from .optimizer_check import check_optimizer_state
 from .stateful import StatefulProvider
 
@@ -45,6 +46,7 @@ class OptimizerProvider(StatefulProvider):
         self.optimizer = optimizer
         self._live: dict[tuple[int, str], torch.Tensor] = {}
         self._targeted: frozenset[str] = frozenset()  # keys for which the restore reads only this rank's part
+        self._lister = StateLister()
 
     def describe(self) -> list[Item]:
         """Its tensors change only in ``optimizer.step()``: lazy once this optimizer is attached."""
@@ -53,6 +55,10 @@ class OptimizerProvider(StatefulProvider):
             if isinstance(item, TensorItem):
                 item.changes = "step"
         return items
+
+    def tensor_batch(self) -> TensorBatch | None:
+        """What :meth:`describe` gives, listed for plan reuse without ``state_dict()`` (see optimizer_batch.py)."""
+        return self._lister.batch(self.optimizer, self.serializer, self.replicated)
 
     def restore_targets(self, global_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorItem]:
         """Layouts for saved state the live optimizer does not hold yet, keyed like :meth:`describe`.

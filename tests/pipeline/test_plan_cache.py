@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tierstate import CheckpointFailed, ObjectProvider, Runner, TensorDictProvider
+from tierstate import CheckpointFailed, ModuleProvider, ObjectProvider, OptimizerProvider, Runner, TensorDictProvider
+from tierstate.providers.items import Item
 
 SLOW = {"host_cache__size": "2MiB", "chunk_size": "1MiB", "pipeline__stages__persist__bandwidth": "40MB"}
 
@@ -103,3 +104,114 @@ def test_a_reused_plan_mixes_with_described_providers(make_runner: Callable[...,
         train()
         assert _equal(_restored(runner, ema, step), expected[step][1])
         assert _equal(dict(model.state_dict()), expected[step][0])
+
+
+class _CountedModule(ModuleProvider):
+    """A real ModuleProvider that counts how often the runner describes it item by item."""
+
+    described = 0
+
+    def describe(self) -> list[Item]:
+        self.described += 1
+        return super().describe()
+
+
+class _CountedOptimizer(OptimizerProvider):
+    described = 0
+
+    def describe(self) -> list[Item]:
+        self.described += 1
+        return super().describe()
+
+
+def _state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """Model tensors, optimizer state tensors and learning rates, copied."""
+    state: dict[str, object] = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for index, (param, values) in enumerate(optimizer.state.items()):
+        state |= {f"optim/{index}/{name}/{id(param)}": v.clone() for name, v in values.items()}
+    state |= {f"lr/{i}": group["lr"] for i, group in enumerate(optimizer.param_groups)}
+    return state
+
+
+def _same_state(a: dict[str, object], b: dict[str, object]) -> bool:
+    def equal(x: object, y: object) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.dtype == y.dtype and torch.equal(x, y)
+        return x == y
+
+    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+
+
+def test_a_model_and_its_optimizer_are_described_once_and_saved_as_requested(
+    make_runner: Callable[..., Runner],
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    runner = make_runner(**SLOW)
+    module, optim = _CountedModule(model), _CountedOptimizer(opt)
+    runner.register(model=module, optim=optim, sched=scheduler)
+
+    def train() -> None:
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+
+    expected = {}
+    for step in range(1, 5):
+        train()
+        expected[step] = _state_of(model, opt)
+        handle = runner.checkpoint(step)
+        train()  # BatchNorm buffers change at once; the optimizer step waits for the lazy capture
+        handle.result()
+    assert (module.described, optim.described) == (1, 1)  # on the first request; later ones reused the plan
+    for step in range(1, 5):
+        runner.restore(step)
+        assert _same_state(_state_of(model, opt), expected[step]), step
+
+
+def test_a_parameter_unfrozen_for_an_unattached_optimizer_is_copied_at_once(
+    make_runner: Callable[..., Runner],
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    model[1].weight.requires_grad_(False)  # frozen: planned as never changing, captured lazily
+    attached = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    runner = make_runner(**SLOW)
+    runner.register(model=model, optim=attached)
+
+    def loss() -> torch.Tensor:
+        return model(torch.randn(8, 32)).pow(2).mean()
+
+    loss().backward()
+    attached.step()
+    runner.checkpoint(1).result()
+    model[1].weight.requires_grad_(True)
+    other = torch.optim.SGD([model[1].weight], lr=10.0)  # not attached: nothing waits for the capture
+    loss().backward()
+    expected = model[1].weight.detach().clone()
+    handle = runner.checkpoint(2)
+    other.step()  # right after the request
+    handle.result()
+    model[1].weight.data.zero_()
+    runner.restore(2)
+    assert torch.equal(model[1].weight.detach(), expected)
+
+
+def test_a_parameter_given_new_memory_is_saved_from_it(make_runner: Callable[..., Runner]) -> None:
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    runner = make_runner()
+    runner.register(model=model, optim=opt)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    runner.checkpoint(1).result()
+    runner.checkpoint(2).result()  # the plan is reused from here on
+    model.weight.data = torch.randn(16, 16)  # the same Parameter object, other memory
+    expected = model.weight.detach().clone()
+    runner.checkpoint(3).result()
+    model.weight.data.zero_()
+    runner.restore(3)
+    assert torch.equal(model.weight.detach(), expected)
