@@ -77,7 +77,8 @@ class CaptureRules:
 
     def __init__(self) -> None:
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._signature: tuple[tuple[int, int, int], ...] = ()
+        self._signature: tuple[tuple[int, int, int, int], ...] = ()
+        self._held: list[object] = []  # the state mappings whose ids are in the signature
         self._covered: frozenset[int] = frozenset()
         self._warned = False
 
@@ -92,23 +93,27 @@ class CaptureRules:
         self._optimizers.append(optimizer)
         return True
 
-    def covered(self) -> frozenset[int]:
+    def covered(self, refresh: bool = False) -> frozenset[int]:
         """Storages of every parameter and state tensor of the attached optimizers.
 
-        Recomputed only when an optimizer gains parameters or state (its first step creates the
-        state; later steps update it in place), so a checkpoint of 10^5 tensors pays nothing here.
+        Computed afresh with ``refresh`` (whenever a plan is made: the cost is then per tensor anyway), else
+        only when an optimizer gains parameters or state or gets a new state mapping (``load_state_dict``
+        replaces it, and the tensors in it), so a reused plan of 10^5 tensors pays nothing here. The state
+        mappings are held, so that their ids in the signature cannot be reused by others.
         """
+        held = [o.state for o in self._optimizers]
         signature = tuple(
-            (id(o), len(o.state), sum(len(group["params"]) for group in o.param_groups)) for o in self._optimizers
+            (id(o), id(state), len(state), sum(len(group["params"]) for group in o.param_groups))
+            for o, state in zip(self._optimizers, held, strict=True)
         )
-        if signature != self._signature:
+        if refresh or signature != self._signature:
             storages: set[int] = set()
             for optimizer in self._optimizers:
                 for group in optimizer.param_groups:
                     storages.update(storage_of(p) for p in group["params"])
                 for state in optimizer.state.values():
                     storages.update(storage_of(v) for v in state.values() if isinstance(v, torch.Tensor))
-            self._signature, self._covered = signature, frozenset(storages)
+            self._signature, self._held, self._covered = signature, held, frozenset(storages)
         return self._covered
 
     def lazy(self, item: TensorItem, covered: frozenset[int]) -> bool:
@@ -116,11 +121,13 @@ class CaptureRules:
             return True
         return item.changes == "step" and storage_of(item.tensor) in covered
 
-    def eager(self, tensors: Iterable[TensorItem]) -> list[TensorItem]:
+    def eager(self, tensors: Iterable[TensorItem], covered: frozenset[int] | None = None) -> list[TensorItem]:
         """The items that may not be captured lazily, which must be copied before ``checkpoint()`` returns.
 
+        ``covered``: the attached optimizers' storages as just computed (default: computed afresh now; a
+        stale set could hold the address of a freed state tensor that another tensor now occupies).
         Warns once about "step" items no attached optimizer covers (they are among them)."""
-        covered = self.covered()
+        covered = self.covered(refresh=True) if covered is None else covered
         eager = [item for item in tensors if not self.lazy(item, covered)]
         uncovered = [item.key for item in eager if item.changes == "step"]
         if uncovered and not self._warned:
@@ -133,13 +140,15 @@ class CaptureRules:
             )
         return eager
 
-    def snapshot_eager(self, tensors: Iterable[TensorItem]) -> tuple[EagerSnapshot, list[TensorItem]]:
+    def snapshot_eager(
+        self, tensors: Iterable[TensorItem], covered: frozenset[int] | None = None
+    ) -> tuple[EagerSnapshot, list[TensorItem]]:
         """Replace each item's tensor that may not be captured lazily by its own copy, now.
 
         Returns what it cost and the items now holding copies, which the checkpoint gives back with
         :func:`release_copies` when it ends (a failed checkpoint's error may keep its plan alive).
         """
-        copied = self.eager(tensors)
+        copied = self.eager(tensors, covered)
         for item in copied:
             item.tensor = _copy(item.tensor)
         uncovered = tuple(item.key for item in copied if item.changes == "step")

@@ -165,6 +165,7 @@ class PlanCache:
         if entry is not None and entry.matches(batches, covered):
             stacks = _stack_all(entry.groups)
         if stacks is None:
+            covered = rules.covered(refresh=True)
             entry = self._entry = _build(batches, dict(leaves), rules, covered, self.chunk_size)
             stacks = _stack_all(entry.groups) if entry is not None else None
             if entry is None or stacks is None:
@@ -174,7 +175,7 @@ class PlanCache:
         others = [_prefixed(path, item) for path, leaf in leaves if path not in batches for item in leaf.describe()]
         others += [_prefixed(path, item) for path, batch in batches.items() for item in batch.others]
         rest = plan_checkpoint(others, self.chunk_size)
-        snapshot, copies = rules.snapshot_eager(rest.tensors)
+        snapshot, copies = rules.snapshot_eager(rest.tensors, covered)
         plan = _combine(entry.plan, rest)
         eager = EagerSnapshot(
             snapshot.tensors + len(entry.where),
@@ -221,7 +222,7 @@ def _build(
     if plan.aliases:  # which tensors share storage is not checked per checkpoint: plain path
         return None
     plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}  # the planned form, whatever happens later
-    eager = rules.eager(plan.tensors)
+    eager = rules.eager(plan.tensors, covered)
     groups: dict[tuple[torch.dtype, tuple[int, ...]], tuple[int, EagerGroup]] = {}
     where: dict[str, tuple[int, int]] = {}
     for item in eager:

@@ -143,6 +143,26 @@ def test_parameters_and_optimizer_state_stay_lazy(make_runner: Callable[..., Run
     assert handle.snapshot.tensors == 0 and handle.snapshot.uncovered == ()
 
 
+def test_optimizer_state_loaded_from_elsewhere_stays_lazy(make_runner: Callable[..., Runner]) -> None:
+    """``optimizer.load_state_dict`` (a resume through torch.load) replaces every state tensor, same counts:
+    the new ones are the optimizer's, so still captured lazily, in a reused plan too."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(64, 64))
+    opt = torch.optim.Adam(model.parameters())
+    runner = make_runner()
+    runner.register(model=model, optim=opt)
+    _train_step_small(model, opt)
+    saved = {"state": {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
+             "param_groups": opt.state_dict()["param_groups"]}  # fmt: skip
+    for step in (1, 2):  # the second one reuses the plan
+        handle = runner.checkpoint(step)
+        handle.result()
+        assert handle.snapshot.tensors == 0
+    opt.load_state_dict(saved)
+    handle = runner.checkpoint(3)
+    handle.result()
+    assert handle.snapshot.tensors == 0 and handle.snapshot.uncovered == ()
+
+
 def _train_step_small(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     model(torch.randn(4, 256)).sum().backward()
     opt.step()
