@@ -108,8 +108,16 @@ class Entry:
     invalid: bool = False
 
     def matches(self, batches: dict[str, TensorBatch], covered: frozenset[int]) -> bool:
-        """Same providers, keys, ``changes`` and tensor objects, same coverage: C loops, no per-item Python."""
-        return not self.invalid and covered is self.covered and same_batches(batches, self.batches)
+        """Same providers, keys, ``changes`` and tensor objects, same coverage: C loops, no per-item Python.
+        The coverage is the same object unless it was computed again (a restore gave an optimizer a new
+        state mapping holding the same tensors): then it is compared once by value."""
+        if self.invalid or not same_batches(batches, self.batches):
+            return False
+        if covered is not self.covered:
+            if covered != self.covered:
+                return False
+            self.covered = covered
+        return True
 
     def __call__(self) -> None:
         """In the background, before capture: every planned tensor still has its planned dtype, shape and device."""
