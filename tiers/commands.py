@@ -31,6 +31,7 @@ from .hfdir import MAX_SHARD_SIZE, export_hf, weight_files
 from .locks import InUseError, reading
 from .migrate import MigrateReport, migrate
 from .pacing import Pacer
+from .peers import peer_copies
 from .progress import byte_progress
 from .retention import Decision, TierPolicies, collect_garbage, prune
 from .verify import invalid_result, verify_step
@@ -85,16 +86,13 @@ def _table(
 
 # --- ls and inspect -----------------------------------------------------------------------------
 def list_checkpoints(tiers: Sequence[FilesystemTier], as_json: bool) -> int:
-    """Every checkpoint and leftover on ``tiers`` (fastest first), with its state."""
+    """Every checkpoint and leftover on ``tiers`` (fastest first), with its state; after each tier, the peer
+    copies its directory holds (another node's part, or this node's sent back), as tiers of their own."""
     entries = []
     for tier in tiers:
-        for step in tier.steps():
-            try:
-                entry = {"tier": tier.name, **copy_state(tiers, tier, step), **summary(tier.manifest(step))}
-            except ManifestError as exc:
-                entry = {"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)}
-            entries.append(entry)
-        entries += invalid_entries(tier) + leftover_entries(tier)
+        entries += _tier_entries(tiers, tier)
+        for copies in peer_copies(tier):
+            entries += _tier_entries([copies], copies)  # another node's part: flushed nowhere from here
     if as_json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -108,6 +106,18 @@ def list_checkpoints(tiers: Sequence[FilesystemTier], as_json: bool) -> int:
     ]  # fmt: skip
     _table(None, ("tier", "step", "state", "items", "stored bytes", "created"), rows, right={"items", "stored bytes"})
     return 0
+
+
+def _tier_entries(chain: Sequence[FilesystemTier], tier: FilesystemTier) -> list[dict[str, Any]]:
+    """``tier``'s checkpoints (flushed: also on a later tier of ``chain``), invalid entries and leftovers."""
+    entries = []
+    for step in tier.steps():
+        try:
+            entry = {"tier": tier.name, **copy_state(chain, tier, step), **summary(tier.manifest(step))}
+        except ManifestError as exc:
+            entry = {"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)}
+        entries.append(entry)
+    return entries + invalid_entries(tier) + leftover_entries(tier)
 
 
 def step_dir(tiers: Sequence[FilesystemTier], step: int) -> Path:
@@ -180,11 +190,11 @@ def migrate_steps(
 
 # --- verify -------------------------------------------------------------------------------------
 def verify_steps(tiers: Sequence[FilesystemTier], steps: Collection[int], as_json: bool = False) -> int:
-    """Recompute every checksum of ``steps`` (all when empty) on each of ``tiers``."""
+    """Recompute every checksum of ``steps`` (all when empty) on each of ``tiers`` and the peer copies each holds."""
     # Each tier's committed steps, and its step-N entries that are not checkpoints (a lost manifest,
     # a symlink): those fail, named, without anything in them being read.
     work: list[tuple[FilesystemTier, int, InvalidEntry | None]] = []
-    for tier in tiers:
+    for tier in [each for given in tiers for each in (given, *peer_copies(given))]:
         listed: list[tuple[int, InvalidEntry | None]] = [(step, None) for step in tier.steps()]
         listed += [(entry.step, entry) for entry in tier.invalid() if entry.named_as_checkpoint]
         listed.sort(key=lambda step_entry: step_entry[0])

@@ -47,6 +47,21 @@ def returned_from(tier: FilesystemTier, partner: str) -> FilesystemTier:
     return FilesystemTier(f"{tier.name} (peer {partner})", tier.root / f"{RETURNED_PREFIX}{partner}", "node")
 
 
+def peer_copies(tier: FilesystemTier) -> list[FilesystemTier]:
+    """The peer copies ``tier``'s directory holds, each as a tier of its own: other nodes' parts it keeps
+    (``peer-<node>/``) and its own part sent back (``from-peer-<node>/``). Real directories only: an entry
+    of that name that is a symlink is never followed."""
+    found = []
+    for entry in sorted(tier.entries(), key=lambda e: e.name):
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.name.startswith(RETURNED_PREFIX) and len(entry.name) > len(RETURNED_PREFIX):
+            found.append(returned_from(tier, entry.name.removeprefix(RETURNED_PREFIX)))
+        elif entry.name.startswith(PEER_PREFIX) and len(entry.name) > len(PEER_PREFIX):
+            found.append(kept_for(tier, entry.name.removeprefix(PEER_PREFIX)))
+    return found
+
+
 def part_files(tier: FilesystemTier, step: int) -> list[tuple[str, int]]:
     """The files of ``tier``'s copy of ``step`` to send, with their sizes: data, indexes, the manifest last."""
     manifest = tier.manifest(step)

@@ -210,3 +210,33 @@ def test_a_copy_verify_found_damaged_stays_damaged_until_verified_clean(nvme, ca
     assert cli.main(["verify", "2", *tier]) == 0
     capsys.readouterr()
     assert states()["2"] == "verified"
+
+
+# --- peer copies ----------------------------------------------------------------------------------
+def test_ls_and_verify_show_the_peer_copies_a_node_tier_holds_and_never_follow_a_symlink(nvme, tmp_path, capsys):
+    import json
+    import shutil
+
+    shutil.copytree(nvme.step_dir(2), nvme.root / "peer-n1" / "step-2")  # n1's part, kept here
+    shutil.copytree(nvme.step_dir(3), nvme.root / "from-peer-n1" / "step-3")  # this node's part, sent back
+    planted = tmp_path / "elsewhere"
+    shutil.copytree(nvme.step_dir(1), planted / "step-1")
+    (nvme.root / "peer-evil").symlink_to(planted, target_is_directory=True)
+    tier = ["--tier", f"nvme={nvme.root}"]
+
+    assert cli.main(["ls", "--json", *tier]) == 0
+    listed = [(e["tier"], e["step"], e["state"]) for e in json.loads(capsys.readouterr().out)]
+    assert listed == [
+        ("nvme", 1, "committed"), ("nvme", 2, "committed"), ("nvme", 3, "committed"),
+        ("nvme (peer n1)", 3, "committed"), ("nvme (copy of n1)", 2, "committed"),
+    ]  # fmt: skip
+
+    data = next(p for p in (nvme.root / "peer-n1" / "step-2").iterdir() if p.name.endswith(".data"))
+    with data.open("r+b") as f:  # one byte of the peer copy flipped
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    assert cli.main(["verify", *tier]) == 1
+    out = capsys.readouterr().out
+    assert "nvme (copy of n1) step 2: FAILED" in out and "nvme (peer n1) step 3: ok" in out
+    assert "nvme step 2: ok" in out and "evil" not in out
