@@ -266,7 +266,8 @@ def _as_described(batch: TensorBatch, described: list[Item], prefix: str) -> lis
             return None
         if not _same_view(item.tensor, tensor):
             return None
-        items.append(TensorItem(prefix + key, tensor, item.shard, item.replicated, item.changes))
+        item.key, item.tensor = prefix + key, tensor  # describe()'s own item, already checked: reused
+        items.append(item)
     if not all(_alike(by_key[key], other) for key, other in others.items()):
         return None
     return items
