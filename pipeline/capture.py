@@ -166,7 +166,7 @@ def _copy_host_piece(piece: TensorPiece, dst: torch.Tensor, dst_bytes: np.ndarra
 
 
 def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> None:
-    src = piece.item.tensor
+    src = piece.item.tensor.detach()  # a reused plan holds parameters themselves: no autograd for the copy
     window = dst[piece.chunk_offset : piece.chunk_offset + piece.length]
     if src.is_contiguous():
         source_bytes = src.reshape(-1).view(torch.uint8)[piece.item_offset : piece.item_offset + piece.length]

@@ -221,3 +221,19 @@ def test_a_parameter_given_new_memory_is_saved_from_it(make_runner: Callable[...
     model.weight.data.zero_()
     runner.restore(3)
     assert torch.equal(model.weight.detach(), expected)
+
+
+def test_a_strided_parameter_in_a_reused_plan_saves_its_values(make_runner: Callable[..., Runner]) -> None:
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.randn(64, 32).t())  # not contiguous: capture copies it strided
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    runner = make_runner()
+    runner.register(model=model, optim=opt)
+    for step in (1, 2, 3):  # 2 and 3 reuse the plan, which holds the parameter itself
+        model.weight.grad = torch.ones(32, 64)
+        opt.step()
+        expected = model.weight.detach().clone()
+        runner.checkpoint(step).result()
+    model.weight.data.zero_()
+    runner.restore(3)
+    assert torch.equal(model.weight.detach(), expected)
