@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from examples.gpt import GPT, GPTConfig, TokenStream
-from tierstate import ModuleProvider, OptimizerProvider
 
-from .tensors import iter_tensors, state_tensor_bytes
+from .model_state import ModelOptimizerState
+from .tensors import iter_tensors
 
 # GPT shapes by preset; "full" is the issue's size: params + AdamW's two moments ~1.5 GB.
 GPT_PRESETS: dict[str, GPTConfig] = {
@@ -23,7 +22,7 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 
 
 @dataclass
-class GPTState:
+class GPTState(ModelOptimizerState):
     """The example GPT, its AdamW and its data: the "real training state" every method saves."""
 
     model: GPT
@@ -45,21 +44,6 @@ class GPTState:
         self.optimizer.step()
         self.steps_done += 1
         return float(loss.detach())
-
-    def state_dict(self) -> dict[str, Any]:
-        """The same content tierstate's providers describe: model state dict + optimizer state dict."""
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-
-    def providers(self) -> dict[str, Any]:
-        return {"model": ModuleProvider(self.model), "optim": OptimizerProvider(self.optimizer)}
-
-    @property
-    def tensor_bytes(self) -> int:
-        return state_tensor_bytes(self.state_dict())
 
     @property
     def n_params(self) -> int:

@@ -3,19 +3,14 @@ of a large or mixture-of-experts model's state, registered as a real model and o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from tierstate import ModuleProvider, OptimizerProvider
-
-from .tensors import state_tensor_bytes
+from .model_state import ModelOptimizerState
 
 TENSORS_PER_PARAM = 4  # the parameter, Adam's two moments and its step
 
 
-class ParamState:
+class ParamState(ModelOptimizerState):
     """``count`` tensors: ``count / 4`` parameters of ``elements`` float32 each, and Adam's state after one step."""
 
     def __init__(self, count: int, elements: int) -> None:
@@ -29,17 +24,3 @@ class ParamState:
         torch.stack([p.sum() for p in self.model]).sum().backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-
-    def providers(self) -> dict[str, Any]:
-        return {"model": ModuleProvider(self.model), "optim": OptimizerProvider(self.optimizer)}
-
-    @property
-    def tensor_bytes(self) -> int:
-        return state_tensor_bytes(self.state_dict())
