@@ -19,8 +19,9 @@ shape and device it was planned with. A tensor changed that way in place (``t.da
 ``resize_``) fails that checkpoint, since the snapshot may then not be what its plan says, and the
 next checkpoint describes and plans afresh. Nothing is ever saved under a wrong dtype or shape.
 
-Used for one process and CPU tensors; everything else takes the plain path
-(describe, plan, clone per tensor) in the runner.
+Used for CPU tensors (one process or many ranks: each rank reuses its own plan, and the commit takes
+this rank's share of it per checkpoint); DTensors and device tensors take the plain path (describe,
+plan, clone per tensor) in the runner.
 """
 
 from __future__ import annotations

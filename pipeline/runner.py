@@ -126,8 +126,9 @@ class Runner:
         )
         self._copier = SlabCopier()
         self._rules = CaptureRules()
-        # Plans reused while the tensors stay the same (plan_cache.py), in one process.
-        self._plans = PlanCache(slab) if self._group is None else None
+        # Plans reused while the tensors stay the same (plan_cache.py); with many ranks each rank reuses its
+        # own, and the commit takes its share of it per checkpoint (distributed.py, in the background).
+        self._plans = PlanCache(slab)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierstate-loop", daemon=True)
         self._thread.start()
