@@ -13,7 +13,7 @@ device (on a GPU it is queued on the trainer's stream, ahead of the next forward
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +78,7 @@ class CaptureRules:
     def __init__(self) -> None:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._signature: tuple[tuple[int, int, int, int], ...] = ()
-        self._held: list[object] = []  # the state mappings whose ids are in the signature
+        self._held: Sequence[object] = ()  # the state mappings whose ids are in the signature
         self._covered: frozenset[int] = frozenset()
         self._warned = False
 
