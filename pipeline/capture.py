@@ -10,7 +10,7 @@ thread synchronizes on, never the trainer.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -66,11 +66,11 @@ class SlabCopier:
             for group, src, at, length in program.runs:
                 np.copyto(dst_bytes[at : at + length], sources.stacks[group][src : src + length])
         gpu_pieces = []
-        for piece in program.pieces:
+        for index, piece in enumerate(program.pieces):
             if piece.item.tensor.is_cuda:
                 gpu_pieces.append(piece)
             else:
-                _copy_host_piece(piece, dst, dst_bytes)
+                _copy_host_piece(piece, dst, dst_bytes, program.views, index)
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         faults.point("capture")
@@ -117,6 +117,10 @@ class CopyProgram:
     runs: list[tuple[int, int, int, int]]  # (stack, start in it, start in the chunk, length)
     pieces: list[TensorPiece]
     element_size: int
+    # Per piece of a host tensor: its source bytes as numpy, and the tensor's data_ptr they were taken at.
+    # Reused while the tensor still points there (the array holds that memory, so no other tensor can
+    # be there), which spares four torch calls per piece: ~1 s of capture for 10^5 small tensors.
+    views: list[tuple[int, np.ndarray] | None] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan: ChunkPlan, where: Mapping[str, tuple[int, int]]) -> CopyProgram:
@@ -139,7 +143,7 @@ class CopyProgram:
             else:
                 runs.append((group, src, piece.chunk_offset, piece.length))
         entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
-        return cls(where, entries, zeros, runs, pieces, _dominant_element_size(plan))
+        return cls(where, entries, zeros, runs, pieces, _dominant_element_size(plan), [None] * len(pieces))
 
 
 def _dominant_element_size(plan: ChunkPlan) -> int:
@@ -151,18 +155,28 @@ def _dominant_element_size(plan: ChunkPlan) -> int:
     return max(by_size, key=by_size.__getitem__)
 
 
-def _copy_host_piece(piece: TensorPiece, dst: torch.Tensor, dst_bytes: np.ndarray) -> None:
+def _copy_host_piece(
+    piece: TensorPiece,
+    dst: torch.Tensor,
+    dst_bytes: np.ndarray,
+    views: list[tuple[int, np.ndarray] | None],
+    index: int,
+) -> None:
     src = piece.item.tensor
-    if src.is_contiguous():
-        # Bytes, not elements: works for every dtype (sub-byte, float8, bits) and is a plain memcpy.
-        # numpy's copy is one thread and drops the GIL; torch's copy_ would start an OpenMP team from
-        # this background thread, whose threads spin and contend with the trainer's own on a busy CPU.
-        # Slicing numpy arrays rather than tensors: ~3 us less per piece (10^4 small tensors: 30 ms).
-        source = src.detach().reshape(-1).view(torch.uint8).numpy()
-        start = piece.chunk_offset
-        np.copyto(dst_bytes[start : start + piece.length], source[piece.item_offset : piece.item_offset + piece.length])
-    else:
+    if not src.is_contiguous():
         _copy_piece(piece, dst, non_blocking=False)
+        return
+    # Bytes, not elements: works for every dtype (sub-byte, float8, bits) and is a plain memcpy.
+    # numpy's copy is one thread and drops the GIL; torch's copy_ would start an OpenMP team from
+    # this background thread, whose threads spin and contend with the trainer's own on a busy CPU.
+    # Slicing numpy arrays rather than tensors: ~3 us less per piece (10^4 small tensors: 30 ms).
+    address = src.data_ptr()
+    view = views[index]
+    if view is None or view[0] != address:  # first time, or the tensor was given other memory
+        source = src.detach().reshape(-1).view(torch.uint8).numpy()
+        view = views[index] = (address, source[piece.item_offset : piece.item_offset + piece.length])
+    start = piece.chunk_offset
+    dst_bytes[start : start + piece.length] = view[1]  # the same memcpy as np.copyto, half its call overhead
 
 
 def _copy_piece(piece: TensorPiece, dst: torch.Tensor, non_blocking: bool) -> None:
