@@ -66,11 +66,13 @@ class SlabCopier:
             for group, src, at, length in program.runs:
                 np.copyto(dst_bytes[at : at + length], sources.stacks[group][src : src + length])
         gpu_pieces = []
+        views = program.views if program.runs_before else None  # kept from a program's second run on
         for index, piece in enumerate(program.pieces):
             if piece.item.tensor.is_cuda:
                 gpu_pieces.append(piece)
             else:
-                _copy_host_piece(piece, dst, dst_bytes, program.views, index)
+                _copy_host_piece(piece, dst, dst_bytes, views, index)
+        program.runs_before += 1
         if gpu_pieces:
             self._copy_from_gpu(gpu_pieces, dst, ready)
         faults.point("capture")
@@ -119,8 +121,11 @@ class CopyProgram:
     element_size: int
     # Per piece of a host tensor: its source bytes as numpy, and the tensor's data_ptr they were taken at.
     # Reused while the tensor still points there (the array holds that memory, so no other tensor can
-    # be there), which spares four torch calls per piece: ~1 s of capture for 10^5 small tensors.
+    # be there), which spares four torch calls per piece: ~1 s of capture for 10^5 small tensors. Kept
+    # only by a program that runs again (a reused plan's, whose pieces are live tensors): a plan made
+    # for one checkpoint holds eager copies, which a failed checkpoint's error may keep alive with it.
     views: list[tuple[int, np.ndarray] | None] = field(default_factory=list)
+    runs_before: int = 0
 
     @classmethod
     def of(cls, plan: ChunkPlan, where: Mapping[str, tuple[int, int]]) -> CopyProgram:
@@ -159,7 +164,7 @@ def _copy_host_piece(
     piece: TensorPiece,
     dst: torch.Tensor,
     dst_bytes: np.ndarray,
-    views: list[tuple[int, np.ndarray] | None],
+    views: list[tuple[int, np.ndarray] | None] | None,
     index: int,
 ) -> None:
     src = piece.item.tensor
@@ -171,10 +176,12 @@ def _copy_host_piece(
     # this background thread, whose threads spin and contend with the trainer's own on a busy CPU.
     # Slicing numpy arrays rather than tensors: ~3 us less per piece (10^4 small tensors: 30 ms).
     address = src.data_ptr()
-    view = views[index]
-    if view is None or view[0] != address:  # first time, or the tensor was given other memory
+    view = views[index] if views is not None else None
+    if view is None or view[0] != address:  # not kept, first time, or the tensor was given other memory
         source = src.detach().reshape(-1).view(torch.uint8).numpy()
-        view = views[index] = (address, source[piece.item_offset : piece.item_offset + piece.length])
+        view = (address, source[piece.item_offset : piece.item_offset + piece.length])
+        if views is not None:
+            views[index] = view
     start = piece.chunk_offset
     dst_bytes[start : start + piece.length] = view[1]  # the same memcpy as np.copyto, half its call overhead
 
