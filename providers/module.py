@@ -135,6 +135,4 @@ def _changes_of(values: Iterable[torch.Tensor]) -> tuple[Changes, ...]:
 def _batched_changes(value: torch.Tensor) -> Changes:
     """:func:`_changes` from the object ``state_dict(keep_vars=True)`` gives: a parameter is itself there.
     The plan cache compares these with :meth:`ModuleProvider.describe`'s before it relies on them."""
-    if not isinstance(value, nn.Parameter):
-        return "any"
-    return "step" if value.requires_grad else "never"
+    return _changes(value if isinstance(value, nn.Parameter) else None)

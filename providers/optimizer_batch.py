@@ -116,12 +116,12 @@ def _layout_of(
     for owner, values in zip(owners, states, strict=True):
         number = index.get(id(owner))
         if number is None or not isinstance(values, dict):
-            return _Layout(signature, params, tuple(owners), None, {}, indices)
+            return _Layout(signature, params, owners, None, {}, indices)
         entry = state[number] = {}
         for name, value in values.items():
             if not isinstance(value, torch.Tensor) or not isinstance(name, str):
-                return _Layout(signature, params, tuple(owners), None, {}, indices)
+                return _Layout(signature, params, owners, None, {}, indices)
             key = f"state/{number}/{name}"
             entry[name] = {TENSOR_MARKER: key}
             keys.append(key)
-    return _Layout(signature, params, tuple(owners), tuple(keys), state, indices)
+    return _Layout(signature, params, owners, tuple(keys), state, indices)
