@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from .config import PipelineConfig
 from .distributed import CheckpointGroup
 from .flush import FlushFailure
 from .handle import HandleCompleter
+from .room import TierFullError, no_room_for
 
 log = logging.getLogger("tierstate")
 T = TypeVar("T")
@@ -205,7 +207,12 @@ class PeerLink:
                     held.enter_context(reading(source.step_dir(side.sending.step)))  # retention waits meanwhile
                     side.sending.files = part_files(source, side.sending.step)
                 except Exception as exc:
-                    side.error, side.sending = f"{type(exc).__name__}: {exc}", None
+                    if _superseded(source, side.sending.step):
+                        log.info("%s: step %d left tier %s for a newer step (retention): not sent", what,
+                                 side.sending.step, source.name)  # fmt: skip
+                    else:
+                        side.error = f"{type(exc).__name__}: {exc}"
+                    side.sending = None
             offers = self._run(f"{what}: announcing", lambda: _gather(self._pg, (side.sending, side.error)))
             pacer = Pacer(_bandwidth(self._config, tier.name))
             for src, (offer, _) in enumerate(offers):
@@ -215,7 +222,7 @@ class PeerLink:
                     self._send(what, source, offer, side, pacer)
                 else:
                     sender = next(n for n, ranks in self._group.nodes.items() if src in ranks)
-                    self._receive(what, place(tier, sender), offer, src, side)
+                    self._receive(what, place(tier, sender), offer, src, side, tier)
         said = self._run(f"{what}: outcomes", lambda: _gather(self._pg, side.error))
         return [f"rank {rank}: {text}" for rank, text in enumerate(said) if text is not None]
 
@@ -243,9 +250,16 @@ class PeerLink:
                 if fd is not None:
                     os.close(fd)
 
-    def _receive(self, what: str, tier: FilesystemTier, offer: _Offer, src: int, side: _Side) -> None:
+    def _receive(
+        self, what: str, tier: FilesystemTier, offer: _Offer, src: int, side: _Side, bound: FilesystemTier
+    ) -> None:
+        """Receive ``offer`` into ``tier`` (a place in ``bound``, the tier whose size bound it counts against)."""
         part = None
+        arriving = f"node {offer.node}'s part of step {offer.step}"
+        room = no_room_for(bound, self._config.tiers[bound.name], sum(size for _, size in offer.files), arriving)
         try:
+            if room is not None:
+                raise TierFullError(errno.ENOSPC, room)
             part = side.receiving = ReceivedPart(tier, offer.step, offer.node)
         except Exception as exc:
             side.error = f"receiving into {tier.root}: {type(exc).__name__}: {exc}"
@@ -334,6 +348,13 @@ def _newest_copy(held: dict[str, dict[str, list[int]]], node: str, own: list[int
     if best is None or best[0] in own:
         return None
     return best[1], best[0]
+
+
+def _superseded(tier: FilesystemTier, step: int) -> bool:
+    """Whether ``step`` has left ``tier`` for a newer one (retention keeps the newest): its copy is not
+    needed, the newer step's follows. A step gone without a newer one is a loss, reported as such."""
+    held = _listed(tier)
+    return step not in held and any(newer > step for newer in held)
 
 
 def _bandwidth(config: PipelineConfig, name: str) -> int | None:

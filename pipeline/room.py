@@ -10,6 +10,9 @@ checkpoint meanwhile, as ``policies.in_flight: wait`` always does). A tier that 
 checkpoints of this size fails the checkpoint at once, naming the key to change: no wait could
 make room there.
 
+With ``replicas: 1`` the tier also keeps the partner node's parts (pipeline/peers.py), as many as its own,
+and a part arriving from the partner is refused when it does not fit (:func:`no_room_for`).
+
 The bytes of a checkpoint on a node are estimated as this rank's share times the node's rank count
 (the ranks' shares are balanced by bytes, see pipeline/assign.py); what is in the tier is measured
 (allocated blocks of every step and partial directory), so other ranks' files count as they land.
@@ -63,13 +66,16 @@ class Room:
         """This node's bytes of ``step``; TierFullError if the tier cannot hold keep_last + 1 of them."""
         need = (rank_bytes + _METADATA_MARGIN) * self.node_ranks
         keep = self.config.retention.keep_last or 1
-        if need * (keep + 1) > self.size:
+        copies = 1 + self.config.replicas  # with replicas: 1 it also keeps the partner node's part, as many
+        if need * (keep + 1) * copies > self.size:
+            kept = f"{keep} checkpoint(s) plus the one being written"
+            if self.config.replicas:
+                kept += ", and as many of the partner node's parts (replicas: 1)"
             raise TierFullError(
                 errno.ENOSPC,
                 f"tiers.{self.tier.name}.size: {_human(self.size)} cannot hold this job's checkpoints: step {step} "
-                f"takes about {_human(need)} on this node, and with retention keep_last={keep} the tier holds {keep} "
-                f"checkpoint(s) plus the one being written, {_human(need * (keep + 1))}; "
-                "raise size (or lower keep_last)",
+                f"takes about {_human(need)} on this node, and with retention keep_last={keep} the tier holds {kept}, "
+                f"{_human(need * (keep + 1) * copies)}; raise size (or lower keep_last)",
             )
         return need
 
@@ -89,3 +95,18 @@ class Room:
                     f"{_human(self.size)} (tiers.{self.tier.name}.size) are taken by steps {held} and leftovers, "
                     "which retention does not free; raise size, lower keep_last, or run tierstate gc",
                 )
+
+
+def no_room_for(tier: FilesystemTier, config: TierConfig, nbytes: int, what: str) -> str | None:
+    """Why ``what`` (``nbytes`` arriving on ``tier``, a partner node's part) cannot be kept there beside what
+    the tier holds; None when it fits or the tier is unbounded. Nothing waits: the partner's next part
+    comes with its next checkpoint, and the tier's own checkpoints must not wait behind a copy."""
+    if config.size is None:
+        return None
+    used = tier.bytes_used()
+    if used + nbytes <= config.size:
+        return None
+    return (
+        f"tier {tier.name}: no room for {what} ({_human(nbytes)}): {_human(used)} of its {_human(int(config.size))} "
+        f"(tiers.{tier.name}.size) are taken; raise size"
+    )

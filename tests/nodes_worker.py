@@ -7,6 +7,7 @@ The PFS tier ``WORKDIR/pfs`` is shared and receives every checkpoint. The ``trai
 scenarios write to a memory tier first (``WORKDIR/nodes/{node}/memory``, kind: memory, keep_last: 1),
 which flushes to both; ``train-last`` persists to NVMe. ``train-peers`` / ``resume-peers`` persist to
 NVMe with ``replicas: 1``: each node's part also goes to the other node's NVMe (a peer copy);
+``train-peers-pruned`` keeps one step on NVMe and holds the peer copies back until step 4 replaced step 2;
 ``damage-peer-copy`` empties n1's NVMe and flips a byte of n1's part in n0's copy. What a rank saw goes to
 ``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
 """
@@ -17,6 +18,7 @@ import functools
 import json
 import shutil
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,15 @@ SAVED_AT = (2, 4)
 GROUP_TIMEOUT_S = 20  # also how long a node waits for the others' parts on the PFS
 
 
-def _runner(workdir: Path, memory: bool = True, replicas: int = 0) -> Runner:
+def _runner(workdir: Path, memory: bool = True, replicas: int = 0, keep_last: int | None = None) -> Runner:
     node = workdir / "nodes" / "{node}"
     tiers = {
-        "nvme": {"path": str(node / "nvme"), "scope": "node", "replicas": replicas},
+        "nvme": {
+            "path": str(node / "nvme"),
+            "scope": "node",
+            "replicas": replicas,
+            "retention": {"keep_last": keep_last},
+        },  # fmt: skip
         "pfs": {"path": str(workdir / "pfs"), "flush": {"every": 1}},
     }
     if memory:
@@ -107,6 +114,28 @@ def resume(workdir: Path, rank: int, memory: bool = True, replicas: int = 0) -> 
     return {"step": counter["step"], "tier": result.tier, "tier_by_rank": list(result.tier_by_rank), "losses": losses}
 
 
+def train_pruned(workdir: Path, rank: int) -> dict[str, Any]:
+    """``train-peers`` keeping one step on NVMe, step 2's peer copy held back (the peer thread kept busy)
+    until step 4 has replaced step 2 there: step 2 is not sent, and that is no failure."""
+    model, opt = _ddp(seed=0)
+    counter = {"step": 0}
+    runner = _runner(workdir, memory=False, replicas=1, keep_last=1)
+    _register(runner, model, opt, counter)
+    assert runner._peers is not None
+    release = threading.Event()
+    runner._peers._thread.submit(release.wait)  # the transfers queue behind this
+    for step in range(1, 5):
+        _step(model, opt)
+        counter["step"] = step
+        if step in SAVED_AT:
+            runner.checkpoint(step).result()
+    runner._flusher.drain()  # both steps on the PFS, and retention has pruned step 2 from NVMe
+    on_nvme = FilesystemTier("nvme", workdir / "nodes" / f"n{rank}" / "nvme", "node").steps()
+    release.set()
+    runner.close()  # the held transfers run
+    return {"on_nvme_when_sent": on_nvme, "flush_errors": [str(f) for f in runner.flush_failures]}
+
+
 def damage(workdir: Path, rank: int) -> dict[str, Any]:
     """n1 is replaced (its NVMe empty), and the copy of n1's part that n0 keeps has a flipped byte."""
     nvme = FilesystemTier("nvme", workdir / "nodes" / f"n{rank}" / "nvme", "node")
@@ -130,6 +159,7 @@ SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "train-peers": functools.partial(train, memory=False, replicas=1),
     "resume-peers": functools.partial(resume, memory=False, replicas=1),
     "damage-peer-copy": damage,
+    "train-peers-pruned": train_pruned,
 }
 
 

@@ -269,19 +269,34 @@ class FilesystemTier:
         return manifest
 
     def bytes_used(self) -> int:
-        """The space this tier's checkpoints and partials take (allocated blocks, as du counts them;
-        alignment holes are free), for a tier whose size is bounded (a memory tier)."""
-        used = 0
-        for entry in self.entries():
-            if entry.is_dir(follow_symlinks=False):
-                try:
-                    with os.scandir(entry.path) as listing:
-                        used += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in listing)
-                except FileNotFoundError:
-                    continue  # deleted or committed (renamed) meanwhile
-        return used
+        """The space this tier's checkpoints, partials and peer copies take (allocated blocks, as du counts
+        them; alignment holes are free), for a tier whose size is bounded (a memory tier). Real directories
+        only, at most :data:`_TIER_DEPTH` deep (root, a peer copy's directory, its steps, their files)."""
+        return _allocated(str(self.root), _TIER_DEPTH)
 
     def partials(self) -> list[Path]:
         """Partial directories (real ones: a symlink named so is :meth:`invalid`)."""
         found = (e for e in self.entries() if e.name.endswith(PARTIAL_SUFFIX) and e.is_dir(follow_symlinks=False))
         return sorted(Path(e.path) for e in found)
+
+
+#: How deep a tier's own layout goes below its root: ``peer-<node>/step-N/<file>``.
+_TIER_DEPTH = 3
+
+
+def _allocated(directory: str, depth: int) -> int:
+    """The allocated bytes of what ``directory`` holds, ``depth`` levels down, never through a symlink
+    (an entry deleted meanwhile counts nothing)."""
+    used = 0
+    try:
+        with os.scandir(directory) as listing:
+            for entry in listing:
+                try:
+                    used += entry.stat(follow_symlinks=False).st_blocks * 512
+                except FileNotFoundError:
+                    continue
+                if depth > 1 and entry.is_dir(follow_symlinks=False):
+                    used += _allocated(entry.path, depth - 1)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return used

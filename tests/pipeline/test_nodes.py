@@ -253,3 +253,12 @@ def test_a_damaged_peer_copy_is_refused_on_both_sides_and_the_replaced_node_read
         assert after["losses"] == before["losses"]
     back = returned_from(nvme(tmp_path, "n1"), "n0")
     assert back.steps() == [] and back.partials() == []  # the copy sent back failed its checksums: not published
+
+
+def test_a_peer_copy_of_a_step_retention_already_replaced_is_skipped_not_failed(tmp_path):
+    two_ranks(tmp_path, "train-peers-pruned")
+    for node, other, seen in zip(("n0", "n1"), ("n1", "n0"), facts(tmp_path, "train-peers-pruned"), strict=True):
+        assert seen["on_nvme_when_sent"] == [4]  # step 2 was gone when its copy's turn came
+        assert seen["flush_errors"] == []
+        copy = kept_for(nvme(tmp_path, node), other)
+        assert copy.steps() == [4] and verify_step(copy, 4).ok

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierstate.pipeline.config import ConfigError, parse_config
+from tierstate.pipeline.config import ConfigError, TierConfig, parse_config
+from tierstate.pipeline.room import Room, TierFullError, no_room_for
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
@@ -22,6 +23,8 @@ from tierstate.tiers.nodeparts import node_part
 from tierstate.tiers.peers import ReceivedPart, part_files, partner_of
 from tierstate.tiers.pieces import CorruptCheckpointError
 from tierstate.tiers.safeopen import read_bytes
+
+MiB = 1 << 20
 
 
 def test_partners_form_a_ring_over_the_sorted_nodes():
@@ -129,3 +132,55 @@ def test_a_received_file_name_outside_a_checkpoints_grammar_is_refused(tmp_path:
         part.open("../../escape")
     part.abort()
     assert not (tmp_path / "escape").exists() and target.partials() == []
+
+
+# --- a bounded tier keeps its partner's parts within its size -------------------------------------
+
+
+def test_a_tiers_used_bytes_count_the_peer_copies_it_keeps_but_not_what_a_symlink_points_at(tmp_path: Path):
+    source = committed_part(tmp_path)
+    memory = FilesystemTier("memory", tmp_path / "memory", "node")
+    memory.root.mkdir()
+    alone = memory.bytes_used()
+    receive(source, FilesystemTier("memory (copy of n0)", memory.root / "peer-n0", "node"))
+    part = sum((source.step_dir(3) / name).stat().st_blocks * 512 for name, _ in part_files(source, 3))
+    assert memory.bytes_used() - alone >= part  # the copy's files, and its directories
+    before = memory.bytes_used()
+    (memory.root / "peer-n9").symlink_to(source.root)  # planted: points at a whole other tier
+    (memory.root / "step-8").symlink_to(source.step_dir(3))
+    links = sum((memory.root / name).lstat().st_blocks * 512 for name in ("peer-n9", "step-8"))
+    assert memory.bytes_used() - before == links  # the links themselves, never their targets
+
+
+def test_a_replicated_bounded_tier_must_hold_its_partners_parts_too(tmp_path: Path):
+    tiers = {"memory": {"kind": "memory", "path": str(tmp_path / "m"), "size": "40MiB", "replicas": 1,
+                        "retention": {"keep_last": 1}},
+             "pfs": {"path": str(tmp_path / "pfs"), "flush": {"every": 1}}}  # fmt: skip
+    config = parse_config({"tiers": tiers})
+    memory = FilesystemTier("memory", tmp_path / "m", "node")
+    room = Room(memory, config.tiers["memory"], node_ranks=1, settle=_nothing_to_settle, pool=None)  # type: ignore[arg-type]
+    assert room.needed(5, 8 * MiB) == 9 * MiB  # 2 own + 2 partner's of 9 MiB fit in 40 MiB
+    with pytest.raises(TierFullError) as caught:
+        room.needed(5, 10 * MiB)  # 4 x 11 MiB do not, though 2 x 11 would without the partner's parts
+    text = str(caught.value)
+    assert "tiers.memory.size: 40.0MiB cannot hold" in text and "the partner node's parts (replicas: 1)" in text
+
+
+def test_a_partners_part_that_would_overfill_a_bounded_tier_is_refused_naming_the_key(tmp_path: Path):
+    source = committed_part(tmp_path)
+    memory = FilesystemTier("memory", tmp_path / "memory", "node")
+    memory.root.mkdir()
+    part = sum(size for _, size in part_files(source, 3))
+    bounded = TierConfig(path=memory.root, kind="memory", scope="node", size=memory.bytes_used() + part + 8192,
+                         retention={"keep_last": 1})  # fmt: skip
+    assert no_room_for(memory, bounded, part, "node n0's part of step 3") is None
+    receive(source, FilesystemTier("memory (copy of n0)", memory.root / "peer-n0", "node"))
+    refused = no_room_for(memory, bounded, part, "node n0's part of step 5")
+    assert refused is not None
+    assert refused.startswith("tier memory: no room for node n0's part of step 5") and "(tiers.memory.size)" in refused
+    unbounded = TierConfig(path=memory.root, scope="node")
+    assert no_room_for(memory, unbounded, 1 << 40, "anything") is None
+
+
+async def _nothing_to_settle() -> bool:
+    return False
