@@ -13,6 +13,7 @@ from .base import RestoreError, shown
 from .dtensor import like_live, tensor_item
 from .fit import misfits, require_fit
 from .items import Changes, Item, ObjectItem, Serializer, TensorBatch
+from .module_layout import ModuleLayout
 
 DDP_PREFIX = "module."  # what DistributedDataParallel puts before every key of the model it wraps
 
@@ -38,6 +39,9 @@ class ModuleProvider:
         self._listed_types: tuple[type, ...] | None = None
         self._frozen: list[int] | None = None
         self._listed_changes: tuple[Changes, ...] = ()
+        # ... and the last listing (keys, values), reused while the module's layout holds
+        self._listed: tuple[tuple[str, ...], tuple[torch.Tensor, ...]] = ((), ())
+        self._layout: ModuleLayout | None = None
 
     @property
     def _owner(self) -> str:
@@ -58,26 +62,32 @@ class ModuleProvider:
         """What :meth:`describe` gives, listed for plan reuse (pipeline/plan_cache.py): the live parameter and
         buffer objects (``state_dict(keep_vars=True)``: every hook runs, no detached alias is made, ~5x
         cheaper for 10^5 entries), each one's ``changes`` read off the object, other entries as objects.
+        While nothing ``state_dict()`` depends on has changed (providers/module_layout.py: no module with
+        hooks or its own listing, the same objects under the same names) the last listing is reused.
 
         The ``changes`` are worked out again when an entry's type changed, or a frozen parameter (lazy:
         ``never``) was unfrozen; a trainable one that was frozen may keep ``step`` (lazy where an attached
         optimizer holds it, else copied at once: safe either way), which spares touching 10^5 tensors.
         """
-        state = self.module.state_dict(keep_vars=True)
-        values = tuple(state.values())
-        types = tuple(map(type, values))
-        if types != self._listed_types:
-            if not all(issubclass(kind, torch.Tensor) for kind in set(types)):
-                return self._mixed_batch(state)
-            self._listed_types, self._frozen = types, None
+        if self._layout is None or not self._layout.holds():
+            state = self.module.state_dict(keep_vars=True)
+            self._layout = ModuleLayout.of(self.module)
+            values = tuple(state.values())
+            types = tuple(map(type, values))
+            if types != self._listed_types:
+                if not all(issubclass(kind, torch.Tensor) for kind in set(types)):
+                    return self._mixed_batch(state)
+                self._listed_types, self._frozen = types, None
+            self._listed = (tuple(state), values)
+        keys, values = self._listed
         if self._frozen is None or any(values[i].requires_grad for i in self._frozen):
             self._listed_changes = _changes_of(values)
             self._frozen = [i for i, changes in enumerate(self._listed_changes) if changes == "never"]
-        return TensorBatch(tuple(state), values, self._listed_changes)
+        return TensorBatch(keys, values, self._listed_changes)
 
     def _mixed_batch(self, state: dict[str, Any]) -> TensorBatch:
         """A state dict with extra state (objects) besides its tensors: those are snapshotted every time."""
-        self._listed_types = None
+        self._listed_types, self._layout = None, None
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         extra = ((k, v) for k, v in state.items() if k not in tensors)
         others = tuple(ObjectItem(k, copy.deepcopy(v), self.serializer, self.replicated) for k, v in extra)

@@ -114,6 +114,54 @@ def test_a_new_parameter_group_renames_the_state() -> None:
     _assert_lists_describe(second, provider.describe())
 
 
+def _first_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return next(iter(optimizer.state.values()))
+
+
+def _replace_a_moment(optimizer: torch.optim.Optimizer) -> None:
+    state = _first_state(optimizer)
+    state["exp_avg"] = state["exp_avg"].clone()  # a new object in the same dict
+
+
+def _reorder_names(optimizer: torch.optim.Optimizer) -> None:
+    state = _first_state(optimizer)
+    state["step"] = state.pop("step")  # the same names, in another order
+
+
+def _rename(optimizer: torch.optim.Optimizer) -> None:
+    state = _first_state(optimizer)
+    state["momentum"] = state.pop("exp_avg")
+
+
+def _add_name(optimizer: torch.optim.Optimizer) -> None:
+    _first_state(optimizer)["max_exp_avg_sq"] = torch.zeros(5)
+
+
+def _reset_a_state(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.state[next(iter(optimizer.state))] = {}
+
+
+@pytest.mark.parametrize("change", [_replace_a_moment, _reorder_names, _rename, _add_name, _reset_a_state])
+def test_every_change_to_an_optimizers_state_is_listed(change: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Adam's states share their names, so its values are taken by name: any change of name, count or object
+    in any parameter's state must still come out as ``describe()`` has it, each tensor under its own key."""
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    provider = OptimizerProvider(optimizer)
+    _train(model, optimizer)
+    first = provider.tensor_batch()
+    _train(model, optimizer)
+    again = provider.tensor_batch()
+    assert first is not None and again is not None and again.keys is first.keys
+    change(optimizer)
+    batch = provider.tensor_batch()
+    assert batch is not None
+    described = {item.key: item.tensor for item in provider.describe() if isinstance(item, TensorItem)}
+    listed = dict(zip(batch.keys, batch.tensors, strict=True))
+    assert sorted(listed) == sorted(k for k in described if k.startswith("state/"))
+    assert all(_same_memory(tensor, described[key]) for key, tensor in listed.items())
+
+
 def test_optimizers_it_cannot_list_faithfully_are_described() -> None:
     model = _model()
     lbfgs = torch.optim.LBFGS(model.parameters())
@@ -173,4 +221,78 @@ def test_an_unfrozen_parameter_is_no_longer_listed_as_never_changing() -> None:
     model[2].weight.requires_grad_(True)
     batch = provider.tensor_batch()
     assert batch.changes_of(index) == "step"
+    _assert_lists_describe(batch, provider.describe())
+
+
+# --- a module's listing reused while nothing state_dict() reads has changed (providers/module_layout.py) ---
+
+
+def _set_param(model: nn.Module) -> None:
+    model[0].weight = nn.Parameter(torch.randn(5, 6))
+
+
+def _set_param_behind_setattr(model: nn.Module) -> None:
+    vars(model[0])["_parameters"]["bias"] = nn.Parameter(torch.zeros(5))  # as FSDP2 swaps in unsharded ones
+
+
+def _delete_param(model: nn.Module) -> None:
+    del model[3].bias
+
+
+def _new_buffer(model: nn.Module) -> None:
+    model[3].register_buffer("scale", torch.ones(3))
+
+
+def _buffer_made_non_persistent(model: nn.Module) -> None:
+    model[1].register_buffer("running_var", model[1].running_var, persistent=False)
+
+
+def _swap_child(model: nn.Module) -> None:
+    model[2] = nn.Linear(5, 6)
+
+
+def _parametrized(model: nn.Module) -> None:
+    nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Identity())
+
+
+EXTRA = torch.zeros(2)
+
+
+def _state_dict_hook(model: nn.Module) -> None:
+    def add(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        state[prefix + "added"] = EXTRA
+
+    model[3]._register_state_dict_hook(add)
+
+
+def _instance_override(model: nn.Module) -> None:
+    original = model[1].state_dict
+
+    def listing(*, destination: dict[str, Any], prefix: str, keep_vars: bool) -> dict[str, Any]:
+        original(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        destination[prefix + "added"] = EXTRA
+        return destination
+
+    model[1].state_dict = listing
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_set_param, _set_param_behind_setattr, _delete_param, _new_buffer, _buffer_made_non_persistent, _swap_child,
+     _parametrized, _state_dict_hook, _instance_override],
+)  # fmt: skip
+def test_a_module_is_listed_again_after_any_change_state_dict_would_show(change: Callable[[nn.Module], None]) -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    provider = ModuleProvider(model)
+    first = provider.tensor_batch()
+    _train(model, optimizer)  # values change in place: the very same listing
+    again = provider.tensor_batch()
+    assert again.keys is first.keys and again.tensors is first.tensors
+    change(model)
+    batch = provider.tensor_batch()
+    live = model.state_dict(keep_vars=True)
+    assert list(batch.keys) == list(live)
+    assert change not in (_state_dict_hook, _instance_override) or any(k.endswith("added") for k in live)
+    assert all(tensor is value for tensor, value in zip(batch.tensors, live.values(), strict=True))
     _assert_lists_describe(batch, provider.describe())
