@@ -21,7 +21,7 @@ import xxhash
 
 from tierstate.errors import TierstateError
 
-from ..providers.dtensor import is_dtensor
+from ..providers.dtensor import storage_of
 from ..providers.items import TensorItem
 
 log = logging.getLogger("tierstate")
@@ -55,12 +55,6 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
             f"attach() expects a torch.optim.Optimizer (or a wrapper of one, such as accelerate's), got {given}{hint}"
         )
     return inner
-
-
-def storage_of(tensor: torch.Tensor) -> int:
-    """The address of the memory a tensor's values live in (a DTensor's: its local shard's)."""
-    local = tensor.to_local() if is_dtensor(tensor) else tensor
-    return local.untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from tierstate.errors import TierstateError
 
 from ..providers.base import ReadState
 from ..providers.composite import CompositeProvider
+from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.gcpause import gc_paused
 from ..tiers.locks import reading
@@ -94,12 +96,10 @@ def fresh_read(state: dict[str, Any]) -> ReadState:
     """A state just read into buffers of its own (:func:`read_items`), as the providers receive it: every
     tensor fresh, except those sharing storage with another item (tied weights), which a keeping
     provider must still copy, and empty ones, whose storages cannot be told apart."""
-    storages: dict[int, int] = {}
     tensors = {key: v for key, v in state.items() if isinstance(v, torch.Tensor)}
-    for tensor in tensors.values():
-        ptr = tensor.untyped_storage().data_ptr()
-        storages[ptr] = storages.get(ptr, 0) + 1
-    fresh = {key for key, t in tensors.items() if t.numel() and storages[t.untyped_storage().data_ptr()] == 1}
+    addresses = {key: storage_of(t) for key, t in tensors.items()}
+    storages = Counter(addresses.values())
+    fresh = {key for key, t in tensors.items() if t.numel() and storages[addresses[key]] == 1}
     return ReadState(state, fresh)
 
 

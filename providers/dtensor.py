@@ -39,6 +39,14 @@ def is_dtensor(value: object) -> TypeGuard[DTensor]:
     return dtensor is not None and isinstance(value, dtensor)
 
 
+def storage_of(tensor: torch.Tensor) -> int:
+    """The address of the memory a tensor's values live in (a DTensor's: its local shard's), worked out from
+    the tensor's own: ``untyped_storage()`` builds a Python object at every call (~2 us, against ~0.3 us),
+    and a restore or a plan asks this of each of 10^5 tensors."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return local.data_ptr() - int(local.storage_offset()) * local.element_size()
+
+
 def tensor_item(key: str, tensor: torch.Tensor, replicated: bool = False, changes: Changes = "any") -> TensorItem:
     """The item of ``tensor``; ``replicated`` applies to plain tensors, a DTensor's layout decides its own."""
     if not is_dtensor(tensor):

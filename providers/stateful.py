@@ -50,12 +50,16 @@ class StatefulProvider:
 
     def restore(self, state: Mapping[str, Any]) -> None:
         require_keys(self._owner, state, {SKELETON_KEY})
-        state_dict = join_tensors(state[SKELETON_KEY], state, owner=self._owner)
+        state_dict = self._loadable(join_tensors(state[SKELETON_KEY], state, owner=self._owner))
         try:
             self.obj.load_state_dict(state_dict)
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:
             raise RestoreError(f"{self._owner}: load_state_dict failed: {exc!r}") from exc
         self._after_load(state)
+
+    def _loadable(self, state_dict: Any) -> Any:
+        """The state dict as ``load_state_dict`` is handed it; subclasses may adapt what it reads."""
+        return state_dict
 
     def _after_load(self, state: Mapping[str, Any]) -> None:
         """Hook run after a successful ``load_state_dict``; ``state`` is what restore received."""

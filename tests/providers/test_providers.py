@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from tierstate.providers import (
     join_tensors,
     split_tensors,
 )
+from tierstate.providers.optimizer import ParamIds
 from tierstate.tiers.objcodec import decode_object, encode_object
 
 
@@ -258,6 +260,34 @@ def test_optimizer_does_not_keep_the_restored_buffers() -> None:
     OptimizerProvider(fresh).restore(state)
     inputs = {v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)}
     assert all(v.data_ptr() not in inputs for s in fresh.state.values() for v in s.values())
+    assert_same_tensors(optimizer_tensors(fresh), optimizer_tensors(opt))
+
+
+def test_param_ids_answer_membership_like_the_list_they_are() -> None:
+    ids = ParamIds([3, 1, 2])
+    assert ids == [3, 1, 2] and 1 in ids and 4 not in ids and "1" not in ids
+    ids.append(4)  # contents changed after a lookup: answered from the new contents
+    assert 4 in ids
+    copied = copy.deepcopy(ids)  # what Optimizer.load_state_dict does to the saved groups
+    assert type(copied) is ParamIds and copied == [3, 1, 2, 4] and 4 in copied and 5 not in copied
+    assert [1] in ParamIds([[1], 2])  # unhashable: compared by a scan
+
+
+def test_a_restored_optimizer_keeps_its_own_lists_of_live_parameters() -> None:
+    model = make_model(0)
+    opt = torch.optim.AdamW(
+        [{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:], "lr": 0.1}]
+    )
+    train(model, opt, make_batches(2))
+    state = read_back(OptimizerProvider(opt).describe())
+    fresh_model = make_model(1)
+    groups = [list(fresh_model.parameters())[:2], list(fresh_model.parameters())[2:]]
+    fresh = torch.optim.AdamW([{"params": groups[0]}, {"params": groups[1], "lr": 0.5}])
+    OptimizerProvider(fresh).restore(state)
+    assert [type(group["params"]) for group in fresh.param_groups] == [list, list]
+    assert all(a is b for group, live in zip(fresh.param_groups, groups, strict=True)
+               for a, b in zip(group["params"], live, strict=True))  # fmt: skip
+    assert [group["lr"] for group in fresh.param_groups] == [group["lr"] for group in opt.param_groups]
     assert_same_tensors(optimizer_tensors(fresh), optimizer_tensors(opt))
 
 

@@ -47,10 +47,10 @@ from tierstate.errors import TierstateError
 
 from ..pipeline.config import PipelineConfig, load_config, parse_config
 from ..pipeline.handle import CheckpointHandle
-from ..pipeline.laziness import storage_of
 from ..pipeline.restore import restore_into
 from ..pipeline.runner import Runner
 from ..providers import CompositeProvider, Item, Serializer, TensorItem
+from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.objcodec import ObjectCodecError
 from .layout import ABSENT, ValueProvider, describe, layout_of, serializer_for
