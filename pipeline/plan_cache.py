@@ -168,11 +168,9 @@ class PlanCache:
         batches = {path: batch for path, batch in listed.items() if batch is not None}
         if not batches or (self._refused is not None and same_batches(batches, self._refused)):
             return None
-        covered = rules.covered()
         entry = self._entry
-        stacks = None
-        if entry is not None and entry.matches(batches, covered):
-            stacks = _stack_all(entry.groups)
+        covered = rules.covered() if entry is not None else frozenset()  # with no plan yet, refreshed below
+        stacks = _stack_all(entry.groups) if entry is not None and entry.matches(batches, covered) else None
         if stacks is None:
             covered = rules.covered(refresh=True)
             entry = self._entry = _build(batches, dict(leaves), rules, covered, self.chunk_size)
