@@ -256,8 +256,8 @@ class PeerLink:
         """Receive ``offer`` into ``tier`` (a place in ``bound``, the tier whose size bound it counts against)."""
         part = None
         arriving = f"node {offer.node}'s part of step {offer.step}"
-        room = no_room_for(bound, self._config.tiers[bound.name], sum(size for _, size in offer.files), arriving)
-        try:
+        try:  # whatever fails here, every announced byte is still received below
+            room = no_room_for(bound, self._config.tiers[bound.name], sum(size for _, size in offer.files), arriving)
             if room is not None:
                 raise TierFullError(errno.ENOSPC, room)
             part = side.receiving = ReceivedPart(tier, offer.step, offer.node)
