@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..providers.dtensor import storage_of
 from ..providers.items import ObjectItem, TensorItem
 from ..tiers.container import TensorLayout
 from ..tiers.dtypes import dtype_name
@@ -63,7 +64,7 @@ def tensor_layout(item: TensorItem) -> TensorLayout:
 
 
 def _identity(t: torch.Tensor) -> tuple:
-    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    return (t.device, t.dtype, storage_of(t), t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def plan_checkpoint(items: list, chunk_size: int) -> CheckpointPlan:

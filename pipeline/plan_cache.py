@@ -37,7 +37,7 @@ import torch
 from tierstate.errors import TierstateError
 
 from ..providers.composite import CompositeProvider
-from ..providers.dtensor import is_dtensor
+from ..providers.dtensor import is_dtensor, storage_of
 from ..providers.items import Batched, Item, ObjectItem, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
@@ -282,7 +282,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         _FORM(a) == _FORM(b)
         and a.stride() == b.stride()
         and a.storage_offset() == b.storage_offset()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and storage_of(a) == storage_of(b)
     )
 
 
