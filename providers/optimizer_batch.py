@@ -45,8 +45,8 @@ class _Layout:
     params: tuple[torch.Tensor, ...]  # the parameters, whose positions give the indices in the keys
     owners: tuple[object, ...]  # the state's keys (parameters), in the state's order
     names: tuple[str, ...] | None  # the state names every parameter's state has (Adam's three), if they agree
-    sizes: tuple[int, ...]  # else: each parameter's state size ...
-    all_names: tuple[str, ...]  # ... and every name, in order
+    sizes: tuple[int, ...]  # else (names None): each parameter's state size ...
+    all_names: tuple[str, ...]  # ... and every name, in order; empty when names says it all
     keys: tuple[str, ...] | None  # None: this structure is not listed (a non-tensor value, a state of no parameter)
     state: dict[Any, dict[str, Any]]  # the skeleton's "state": a marker per tensor
     indices: tuple[list[int], ...]  # the skeleton's "params" of each group
@@ -137,9 +137,9 @@ def _layout_of(
     index = {id(param): i for i, param in enumerate(params)}
     starts = [0, *accumulate(group_sizes)]
     indices = tuple(list(range(a, b)) for a, b in pairwise(starts))
-    sizes, all_names = tuple(map(len, states)), tuple(chain.from_iterable(states))
     first = tuple(states[0]) if states and isinstance(states[0], dict) else None
     names = first if first is not None and all(isinstance(v, dict) and tuple(v) == first for v in states) else None
+    sizes, all_names = ((), ()) if names is not None else (tuple(map(len, states)), tuple(chain.from_iterable(states)))
     unlisted = _Layout(group_sizes, params, owners, names, sizes, all_names, None, {}, indices)
     keys: list[str] = []
     state: dict[Any, dict[str, Any]] = {}
