@@ -18,6 +18,11 @@ from .plan import CheckpointPlan
 
 
 class Commit(Protocol):
+    def decline(self, reason: Exception, /) -> bool:
+        """This rank cannot take part in the step (its plan failed): True if it still opens the step, to
+        give it up with every other rank (which then raises ``reason``), False if the job just fails."""
+        ...
+
     def begin(self, step: int, plan: CheckpointPlan) -> tuple[Path, CheckpointPlan]:
         """Open the partial directory; returns it and the part of ``plan`` this rank writes."""
         ...
@@ -39,6 +44,9 @@ class TierCommit:
 
     def __init__(self, tier: FilesystemTier) -> None:
         self.tier = tier
+
+    def decline(self, _reason: Exception) -> bool:
+        return False  # no one else to tell: nothing is opened
 
     def begin(self, step: int, plan: CheckpointPlan) -> tuple[Path, CheckpointPlan]:
         return self.tier.begin(step), plan

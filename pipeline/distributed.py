@@ -215,6 +215,11 @@ class DistributedCommit:
         self._open = False
         self._replicated: set[str] = set()
 
+    def decline(self, reason: Exception) -> bool:
+        """Its plan failed in the background: it still joins the opening, so every rank gives the step up."""
+        self.declined = reason
+        return True
+
     # --- phase 1: open ------------------------------------------------------------------------
     def begin(self, step: int, plan: CheckpointPlan) -> tuple[Path, CheckpointPlan]:
         refused = None if self.declined is None else _reason(self.declined)

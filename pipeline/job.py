@@ -58,11 +58,12 @@ class CheckpointJob:
         on_captured: Callable[[], None],
         stats: CheckpointStats,
         sources: EagerSources | None = None,
-        verify: Callable[[], None] | None = None,
+        resolve: Callable[[], CheckpointPlan] | None = None,
     ) -> None:
         """``stats``: the handle's, which this job fills in (the trainer's side is already there);
-        ``sources``: the eager copies made in batches (plan_cache.py); ``verify``: runs in the
-        background before any capture, and fails the checkpoint if the plan no longer fits the tensors."""
+        ``sources``: the eager copies made in batches (plan_cache.py); ``resolve``: runs in the
+        background before the step is opened, and gives the plan to write (a reused plan checked, an
+        optimizer's state listed), or fails the checkpoint if the plan no longer fits the tensors."""
         self.ctx = ctx
         self.step = step
         self.plan = plan
@@ -70,7 +71,7 @@ class CheckpointJob:
         self.on_captured = on_captured
         self.stats = stats
         self.sources = sources
-        self.verify = verify
+        self.resolve = resolve
         self._held: set[Slab] = set()
         self._to_capture = len(plan.chunks)
         self._started = time.monotonic()
@@ -82,11 +83,15 @@ class CheckpointJob:
     async def run(self) -> Path:
         tier = self.ctx.tier
         commit = self.ctx.commit or TierCommit(tier)
+        if self.resolve is not None:  # before opening: with many ranks, each offers what it will write
+            try:
+                self.plan = await run_blocking(self.ctx.compute, self.resolve)
+            except Exception as exc:
+                if not commit.decline(exc):
+                    raise
         partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, self.plan)
         self._to_capture = len(self.plan.chunks)  # with many ranks, only this rank's share
         try:
-            if self.verify is not None:
-                await run_blocking(self.ctx.compute, self.verify)
             if self.ctx.room is not None:
                 await self.ctx.room.reserve(self.step, self.plan.tensor_bytes)
             if not self._to_capture:

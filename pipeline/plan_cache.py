@@ -14,10 +14,18 @@ that every tensor still has its planned shape (stack refuses any other) and no w
 stack's dtype would widen); capture copies their bytes out of those stacks.
 
 What the trainer's thread cannot afford to check per tensor is checked in the background before
-any byte is captured (:meth:`Entry.verify`): that every planned tensor object still has the dtype,
+any byte is captured (:class:`Resolve`): that every planned tensor object still has the dtype,
 shape and device it was planned with. A tensor changed that way in place (``t.data = ...``,
 ``resize_``) fails that checkpoint, since the snapshot may then not be what its plan says, and the
 next checkpoint describes and plans afresh. Nothing is ever saved under a wrong dtype or shape.
+
+An attached optimizer's state is not even listed on the trainer's thread while its outline (state
+mapping, its length, the groups' sizes) stays as it was: its step and ``load_state_dict`` wait for
+the capture, so the state it holds at the request is still there in the background, where
+:class:`Resolve` lists it before any capture. The same tensors: the plan stands. Others (an optimizer
+that replaces its state tensors at each step): that optimizer's part is planned again there, the
+rest of the plan and the eager copies kept; what cannot be (the set of eager tensors would change,
+new tensors alias planned ones) fails that checkpoint, and the next one plans on the trainer's thread.
 
 Used for CPU tensors (one process or many ranks: each rank reuses its own plan, and the commit takes
 this rank's share of it per checkpoint); DTensors and device tensors take the plain path (describe,
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +47,8 @@ from tierstate.errors import TierstateError
 from ..providers.composite import CompositeProvider
 from ..providers.dtensor import is_dtensor, storage_of
 from ..providers.items import Batched, Item, ObjectItem, TensorBatch, TensorItem
+from ..providers.optimizer import OptimizerProvider
+from ..providers.stateful import SKELETON_KEY
 from .laziness import CaptureRules, EagerSnapshot
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
 
@@ -85,12 +95,12 @@ class EagerSources:
 class Prepared:
     """What the trainer's thread hands the job: the plan, what was copied, where capture finds copies."""
 
-    plan: CheckpointPlan
+    plan: CheckpointPlan  # as known at the request; ``resolve`` gives the one the job writes
     snapshot: EagerSnapshot
     copies: list[TensorItem]  # plain-path copies, released when the checkpoint ends
     described: list[TensorItem]  # the tensors of the providers described this time (not from the reused plan)
-    sources: EagerSources | None = None
-    verify: Entry | None = None
+    sources: EagerSources
+    resolve: Resolve
 
 
 @dataclass
@@ -120,7 +130,7 @@ class Entry:
             self.covered = covered
         return True
 
-    def __call__(self) -> None:
+    def check_forms(self) -> None:
         """In the background, before capture: every planned tensor still has its planned dtype, shape and device."""
         if list(map(_FORM, self.tensors)) == self.forms:  # a C loop: ~0.2 s less for 10^5 tensors
             return
@@ -161,17 +171,23 @@ class PlanCache:
         # described twice per checkpoint while they stay the same.
         self._refused: dict[str, TensorBatch] | None = None
 
-    def prepare(self, providers: CompositeProvider, rules: CaptureRules) -> Prepared | None:
-        """The plan and the eager copies of this checkpoint, or None when no provider offers a batch."""
+    def prepare(self, providers: CompositeProvider, rules: CaptureRules, defer: bool = True) -> Prepared | None:
+        """The plan and the eager copies of this checkpoint, or None when no provider offers a batch.
+
+        ``defer``: an attached optimizer's state whose outline has not moved is taken as last listed and
+        listed again in the background (:class:`Resolve`); False lists everything now (the capture check
+        fingerprints every lazy tensor at the request, so it needs them all)."""
         leaves = providers.leaves()
-        listed = {path: leaf.tensor_batch() for path, leaf in leaves if isinstance(leaf, Batched)}
-        batches = {path: batch for path, batch in listed.items() if batch is not None}
+        entry = self._entry
+        deferred = _deferrable(leaves, entry, rules) if defer and entry is not None and not entry.invalid else {}
+        batches = _listed(leaves, deferred)
         if not batches or (self._refused is not None and same_batches(batches, self._refused)):
             return None
-        entry = self._entry
         covered = rules.covered() if entry is not None else frozenset()  # with no plan yet, refreshed below
         stacks = _stack_all(entry.groups) if entry is not None and entry.matches(batches, covered) else None
         if stacks is None:
+            if deferred:  # planned afresh: from the state as it is now
+                deferred, batches = {}, _listed(leaves, {})
             covered = rules.covered(refresh=True)
             entry = self._entry = _build(batches, dict(leaves), rules, covered, self.chunk_size)
             stacks = _stack_all(entry.groups) if entry is not None else None
@@ -183,14 +199,146 @@ class PlanCache:
         others += [_prefixed(path, item) for path, batch in batches.items() for item in batch.others]
         rest = plan_checkpoint(others, self.chunk_size)
         snapshot, copies = rules.snapshot_eager(rest.tensors, covered)
-        plan = _combine(entry.plan, rest)
         eager = EagerSnapshot(
             snapshot.tensors + len(entry.where),
             snapshot.nbytes + entry.eager_bytes,
             entry.uncovered + snapshot.uncovered,
         )
         flat = [s.reshape(-1).view(torch.uint8).numpy() for s in stacks]
-        return Prepared(plan, eager, copies, rest.tensors, EagerSources(entry.where, flat), entry)
+        resolve = Resolve(self, entry, rest, {path: provider for path, (provider, _) in deferred.items()}, rules)
+        plan = _combine(entry.plan, rest)
+        return Prepared(plan, eager, copies, rest.tensors, EagerSources(entry.where, flat), resolve)
+
+    def relist(
+        self, entry: Entry, deferred: dict[str, OptimizerProvider], rules: CaptureRules, rest: CheckpointPlan
+    ) -> Entry:
+        """In the background: the deferred optimizers' state listed now, and ``entry`` planned again for it if
+        it holds other tensors (an optimizer that replaces its state tensors at each step); the skeletons in
+        ``rest`` then name the new keys. Raises :class:`PlanChangedError` where that cannot be done safely."""
+        fresh = {path: provider.relisted() for path, provider in deferred.items()}
+        changed = {
+            path: batch
+            for path, batch in fresh.items()
+            if batch is None or not same_batches({path: batch}, {path: entry.batches[path]})
+        }
+        if not changed:
+            return entry
+        try:
+            replanned = _replanned(entry, changed, deferred, rules, self.chunk_size)
+        except BaseException:
+            entry.invalid = True  # the next checkpoint lists and plans everything on the trainer's thread
+            raise
+        for path, batch in changed.items():
+            if batch is not None and batch.keys != entry.batches[path].keys:
+                _restate(rest, path, deferred[path])
+        if self._entry is entry:
+            self._entry = replanned
+        return replanned
+
+
+@dataclass
+class Resolve:
+    """Run in the background before any capture (the optimizer's step waits for the capture): the plan the
+    job writes. Lists the deferred optimizers' state (:meth:`PlanCache.relist`) and checks that every planned
+    tensor still has its planned form (:meth:`Entry.check_forms`)."""
+
+    cache: PlanCache
+    entry: Entry
+    rest: CheckpointPlan
+    deferred: dict[str, OptimizerProvider]
+    rules: CaptureRules
+
+    def __call__(self) -> CheckpointPlan:
+        entry = self.entry
+        if self.deferred:
+            entry = self.cache.relist(entry, self.deferred, self.rules, self.rest)
+        entry.check_forms()
+        return _combine(entry.plan, self.rest)
+
+
+def _deferrable(
+    leaves: Sequence[tuple[str, object]], entry: Entry, rules: CaptureRules
+) -> dict[str, tuple[OptimizerProvider, TensorBatch]]:
+    """The providers of attached optimizers whose state may be taken as ``entry`` planned it, each with that
+    listing and its parameter groups snapshotted now (see optimizer_batch.py)."""
+    found = {}
+    for path, leaf in leaves:
+        if (
+            isinstance(leaf, OptimizerProvider)
+            and path in entry.batches
+            and any(leaf.optimizer is attached for attached in rules.optimizers)
+        ):
+            batch = leaf.regrouped(entry.batches[path])
+            if batch is not None:
+                found[path] = (leaf, batch)
+    return found
+
+
+def _listed(
+    leaves: Sequence[tuple[str, object]], deferred: dict[str, tuple[OptimizerProvider, TensorBatch]]
+) -> dict[str, TensorBatch]:
+    """Each batch provider's listing (a deferred one's as it was), those that have one."""
+    batches = {}
+    for path, leaf in leaves:
+        if path in deferred:
+            batches[path] = deferred[path][1]
+        elif isinstance(leaf, Batched) and (batch := leaf.tensor_batch()) is not None:
+            batches[path] = batch
+    return batches
+
+
+def _replanned(
+    entry: Entry,
+    changed: dict[str, TensorBatch | None],
+    providers: dict[str, OptimizerProvider],
+    rules: CaptureRules,
+    chunk_size: int,
+) -> Entry:
+    """``entry`` with the optimizers in ``changed`` planned from their new listing, in the background: the
+    other tensors as planned, the eager ones already copied (the set must not change)."""
+    prefixes = tuple(f"{path}/" for path in changed)
+    items = [item for item in entry.plan.tensors if not item.key.startswith(prefixes)]
+    batches = dict(entry.batches)
+    for path, batch in changed.items():
+        if batch is None:
+            raise PlanChangedError(
+                f"optimizer {path!r}: its state can no longer be listed (a value that is not a tensor, or a "
+                "state-dict hook) since this checkpoint was requested; the next checkpoint describes it afresh"
+            )
+        batches[path] = batch
+        for key, tensor in zip(batch.keys, batch.tensors, strict=True):
+            if is_dtensor(tensor) or tensor.device.type != "cpu":
+                raise PlanChangedError(
+                    f"optimizer {path!r}: state {key!r} is now a {type(tensor).__name__} on {tensor.device}; "
+                    "the next checkpoint plans afresh"
+                )
+            replicated = providers[path].replicated
+            items.append(TensorItem(f"{path}/{key}", tensor, replicated=replicated, changes="step"))
+    plan = plan_checkpoint(items, chunk_size)
+    if plan.aliases:
+        raise PlanChangedError(
+            f"optimizer state of {', '.join(map(repr, changed))} now shares memory with other planned tensors "
+            f"({next(iter(plan.aliases))!r}); the next checkpoint plans afresh"
+        )
+    covered = rules.covered(refresh=True)
+    if {item.key for item in rules.eager(plan.tensors, covered)} != entry.where.keys():
+        raise PlanChangedError(
+            f"optimizer {', '.join(map(repr, changed))} changed which tensors it holds, and so which must be "
+            "copied before checkpoint() returns; the next checkpoint plans afresh"
+        )
+    plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}
+    planned = [item.tensor for item in plan.tensors]
+    return dataclasses.replace(
+        entry, batches=batches, covered=covered, plan=plan, tensors=planned, forms=list(map(_FORM, planned))
+    )
+
+
+def _restate(rest: CheckpointPlan, path: str, provider: OptimizerProvider) -> None:
+    """The skeleton ``rest`` holds for ``path``, given the state part of its provider's new listing."""
+    key = f"{path}/{SKELETON_KEY}"
+    for item in rest.objects:
+        if item.key == key:
+            item.value = provider.restated(item.value)
 
 
 def _stack_all(groups: list[EagerGroup]) -> list[torch.Tensor] | None:

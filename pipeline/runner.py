@@ -202,12 +202,14 @@ class Runner:
         """Install the step pre-hook that keeps ``optimizer`` from changing tensors not yet captured.
 
         From then on its parameters and state are captured lazily, while training goes on (see
-        pipeline/laziness.py). Wrapped optimizers (accelerate's, Lightning's) are unwrapped; attaching
-        one optimizer twice installs one hook.
+        pipeline/laziness.py). A ``load_state_dict`` pre-hook waits the same way: it replaces the state
+        tensors, which the plan may take as listed at the request (plan_cache.py). Wrapped optimizers
+        (accelerate's, Lightning's) are unwrapped; attaching one optimizer twice installs one of each hook.
         """
         inner = unwrap_optimizer(optimizer)
         if self._rules.attach(inner):
             inner.register_step_pre_hook(self._before_step)
+            inner.register_load_state_dict_pre_hook(self._before_load)
 
     @property
     def attached(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -215,6 +217,9 @@ class Runner:
         return self._rules.optimizers
 
     def _before_step(self, _opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self.wait_captured()
+
+    def _before_load(self, _opt: torch.optim.Optimizer, _state: Any) -> None:
         self.wait_captured()
 
     @property
@@ -258,12 +263,13 @@ class Runner:
                     return handle
                 previous.handle.wait()
             declined = None
-            sources = verify = None
+            sources = resolve = None
             try:
-                prepared = self._plans.prepare(self.providers, self._rules) if self._plans is not None else None
+                check = self.config.policies.check_capture  # fingerprints every lazy tensor now: nothing deferred
+                prepared = self._plans.prepare(self.providers, self._rules, defer=not check)
                 if prepared is not None:  # a reused plan, eager tensors copied in batches (plan_cache.py)
                     plan, snapshot, copies = prepared.plan, prepared.snapshot, prepared.copies
-                    sources, verify = prepared.sources, prepared.verify
+                    sources, resolve = prepared.sources, prepared.resolve
                 else:
                     plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
                     # Tensors that may change before their lazy copy are copied now (laziness.py).
@@ -296,7 +302,7 @@ class Runner:
                 self._room,
             )  # fmt: skip
             job = CheckpointJob(
-                ctx, step, plan, ready, on_captured or completer.captured, handle.stats, sources, verify
+                ctx, step, plan, ready, on_captured or completer.captured, handle.stats, sources, resolve
             )
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)

@@ -60,6 +60,20 @@ class OptimizerProvider(StatefulProvider):
         """What :meth:`describe` gives, listed for plan reuse without ``state_dict()`` (see optimizer_batch.py)."""
         return self._lister.batch(self.optimizer, self.serializer, self.replicated)
 
+    def regrouped(self, previous: TensorBatch) -> TensorBatch | None:
+        """``previous`` (the latest :meth:`tensor_batch` or :meth:`relisted`) with the parameter groups as they
+        are now, or None if the state may have other tensors since: for a runner whose optimizer step waits
+        for its capture, which then lists the state in the background (see optimizer_batch.py)."""
+        return self._lister.regrouped(self.optimizer, previous, self.serializer, self.replicated)
+
+    def relisted(self) -> TensorBatch | None:
+        """The state's tensors as :meth:`tensor_batch` lists them, without the parameter groups."""
+        return self._lister.relisted(self.optimizer)
+
+    def restated(self, skeleton: dict[str, Any]) -> dict[str, Any]:
+        """A skeleton snapshotted at a request, with the state part of the latest listing."""
+        return self._lister.restated(skeleton)
+
     def restore_targets(self, global_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorItem]:
         """Layouts for saved state the live optimizer does not hold yet, keyed like :meth:`describe`.
 

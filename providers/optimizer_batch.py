@@ -9,9 +9,12 @@ names) with the one it last saw, and builds the item keys and the state's part o
 when it changed. Where every parameter's state has the same names (Adam's ``step``, ``exp_avg``,
 ``exp_avg_sq``), the values are taken by name, one ``itemgetter`` call per parameter, which checks
 the names on the way (as many as before, each present). A state of 75,000 tensors still takes
-~30 ms in a training loop, where the step has pushed those objects out of the CPU caches: a memory
-access per object, which any listing in Python pays. The parameter groups (learning rates, which a
-scheduler changes) are small and snapshotted at every request. The result is what
+~20 ms in a training loop, where the step has pushed those objects out of the CPU caches: a memory
+access per object, which any listing in Python pays. So for an attached optimizer, whose step (and
+``load_state_dict``) waits for the capture, the runner takes at the request the state as last listed
+when its outline (mapping, length, group sizes) has not moved, and lists it again in the background
+before the capture (:meth:`StateLister.regrouped`, :meth:`StateLister.relisted`). The parameter
+groups (learning rates, which a scheduler changes) are small and snapshotted at every request. The result is what
 ``OptimizerProvider.describe()`` gives, and the plan cache checks that against a real ``describe()``
 before it relies on it.
 
@@ -95,13 +98,41 @@ def has_plain_state_dict(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+@dataclass(frozen=True, eq=False)
+class _Outline:
+    """What a state listing can be checked against without touching each parameter: the state mapping (the
+    object itself, held: ``load_state_dict`` replaces it), its length and the parameter groups' sizes."""
+
+    state: object
+    count: int
+    group_sizes: tuple[int, ...]
+
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        return (
+            self.state is optimizer.state
+            and self.count == len(optimizer.state)
+            and self.group_sizes == tuple(len(group["params"]) for group in optimizer.param_groups)
+        )
+
+
 class StateLister:
-    """Lists one optimizer's state as a :class:`TensorBatch`, reusing keys and skeleton while the structure holds."""
+    """Lists one optimizer's state as a :class:`TensorBatch`, reusing keys and skeleton while the structure holds.
+
+    A runner whose optimizer is attached may also take the state as last listed at the request
+    (:meth:`regrouped`: only the parameter groups snapshotted, O(groups)) and list it in the background
+    (:meth:`relisted`) before the capture, which the optimizer's step waits for: see pipeline/plan_cache.py.
+    """
 
     def __init__(self) -> None:
         self._layout: _Layout | None = None
+        self._outline: _Outline | None = None  # the state's outline at the last listing
 
     def batch(self, optimizer: torch.optim.Optimizer, serializer: Serializer, replicated: bool) -> TensorBatch | None:
+        state = self.relisted(optimizer)
+        return None if state is None else self._with_groups(optimizer, state, serializer, replicated)
+
+    def relisted(self, optimizer: torch.optim.Optimizer) -> TensorBatch | None:
+        """The state's tensors alone (no parameter groups, which a scheduler may be changing meanwhile)."""
         if not has_plain_state_dict(optimizer):
             return None
         groups = optimizer.param_groups
@@ -113,8 +144,39 @@ class StateLister:
         if layout is None or tensors is None:
             layout = self._layout = _layout_of(group_sizes, params, owners, states)
             tensors = layout.tensors(group_sizes, params, owners, states)
+        self._outline = _Outline(optimizer.state, len(owners), group_sizes)
         if layout.keys is None or tensors is None:
             return None
+        return TensorBatch(layout.keys, tensors, "step")
+
+    def regrouped(
+        self, optimizer: torch.optim.Optimizer, previous: TensorBatch, serializer: Serializer, replicated: bool
+    ) -> TensorBatch | None:
+        """``previous`` (this lister's latest listing) with the parameter groups as they are now, or None if the
+        state's outline moved since that listing (a first step, a ``load_state_dict``, a new group)."""
+        layout, outline = self._layout, self._outline
+        if (
+            layout is None
+            or outline is None
+            or previous.keys is not layout.keys
+            or not has_plain_state_dict(optimizer)
+            or not outline.holds(optimizer)
+        ):
+            return None
+        return self._with_groups(optimizer, previous, serializer, replicated)
+
+    def restated(self, skeleton: dict[str, Any]) -> dict[str, Any]:
+        """``skeleton`` (its groups as snapshotted at a request) with the state part of the latest listing."""
+        assert self._layout is not None  # only after a listing
+        return {**skeleton, "state": self._layout.state}
+
+    def _with_groups(
+        self, optimizer: torch.optim.Optimizer, state: TensorBatch, serializer: Serializer, replicated: bool
+    ) -> TensorBatch:
+        """``state``'s tensors, and the parameter groups (learning rates, ...) and skeleton snapshotted now."""
+        layout = self._layout
+        assert layout is not None  # set by the listing that gave ``state``
+        groups = optimizer.param_groups
         packed = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         group_skeletons, group_tensors = split_tensors(packed, key_prefix="param_groups", replicated=replicated)
         for skeleton, indices in zip(group_skeletons, layout.indices, strict=True):
@@ -123,7 +185,7 @@ class StateLister:
             item.changes = "step"  # as OptimizerProvider.describe says of all its tensors
         skeleton = {"state": layout.state, "param_groups": group_skeletons}
         others = (*group_tensors, ObjectItem(SKELETON_KEY, skeleton, serializer, replicated))
-        return TensorBatch(layout.keys, tensors, "step", others)
+        return TensorBatch(state.keys, state.tensors, "step", others)
 
 
 def _layout_of(

@@ -193,8 +193,9 @@ def _failure(runner: Runner, step: int) -> str:
 
 
 def failures(s: Scenario) -> None:
-    """Steps 1 and 4 commit. Rank 1 alone fails at step 2 (writing) and at step 3 (describing its
-    state), and at step 5 leaves the process after writing its files, before voting."""
+    """Steps 1 and 4 commit. Rank 1 alone fails at step 2 (writing), at step 3 (describing its
+    state) and at step 5 (its reused plan no longer fits a tensor, found in the background before the
+    opening), and at step 6 leaves the process after writing its files, before voting."""
     runner = s.runner("failures")
     replicated, _ = replicated_providers(scrambled=False)
     torch.manual_seed(100 + s.rank)
@@ -205,7 +206,8 @@ def failures(s: Scenario) -> None:
             raise RuntimeError("sampler state unavailable")
         return extra
 
-    runner.register(**replicated, rng=RNGProvider(), mine=ObjectProvider(mine))
+    pair = {"a": torch.zeros(4), "b": torch.ones(4)}  # one stack copies both at each request (plan_cache.py)
+    runner.register(**replicated, rng=RNGProvider(), mine=ObjectProvider(mine), pair=TensorDictProvider(pair))
     facts: dict[str, Any] = {"first": str(runner.checkpoint(1).result(timeout=60).path)}
     if s.rank == 1:
         extra["bad"] = {1, 2}  # a set is not msgpack data: this rank's part of step 2 fails
@@ -215,13 +217,17 @@ def failures(s: Scenario) -> None:
     facts["declined"] = _failure(runner, 3)
     extra.pop("explode")
     facts["fourth"] = str(runner.checkpoint(4).result(timeout=60).path)
+    if s.rank == 1:
+        pair["b"].data = pair["b"].data.half()  # narrowed in place: the stack widens it back, unseen until the check
+    facts["replanned"] = _failure(runner, 5)
+    pair["b"].data = pair["b"].data.float()
     s.record(**facts)  # rank 1 records nothing after this
-    os.environ[EXIT_BEFORE_VOTE_ENV] = "1:5"
-    facts["died"] = _failure(runner, 5)  # rank 1 leaves the process inside this step's commit
+    os.environ[EXIT_BEFORE_VOTE_ENV] = "1:6"
+    facts["died"] = _failure(runner, 6)  # rank 1 leaves the process inside this step's commit
     model = make_model(seed=1)
     for _ in range(3):  # training goes on without the checkpoint group
         model(torch.randn(2, 64)).sum().backward()
-    facts["after"] = _failure(runner, 6)
+    facts["after"] = _failure(runner, 7)
     runner.close()
     s.record(**facts)
 

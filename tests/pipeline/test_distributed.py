@@ -142,8 +142,10 @@ def test_a_rank_that_fails_or_dies_leaves_no_commit_and_the_others_go_on(work):
         "CheckpointAborted: step 3 was not opened: rank 1: RuntimeError: sampler state unavailable"
     )
     assert second["declined"] == "RuntimeError: sampler state unavailable"
-    assert first["died"].startswith("GroupLost: step 5: collecting votes: lost the checkpoint group")
-    assert "unusable since step 5" in first["after"]  # later checkpoints fail at once, training went on
+    assert first["replanned"].startswith("CheckpointAborted: step 5 was not opened: rank 1: PlanChangedError")
+    assert second["replanned"].startswith("PlanChangedError: a tensor planned as torch.float32")
+    assert first["died"].startswith("GroupLost: step 6: collecting votes: lost the checkpoint group")
+    assert "unusable since step 6" in first["after"]  # later checkpoints fail at once, training went on
     assert "died" not in second  # rank 1 left the process before recording more
     tier = work / "tiers" / "failures" / "nvme"
     assert sorted(p.name for p in tier.iterdir()) == ["step-1", "step-4"]  # no other step, no partials
