@@ -26,7 +26,7 @@ from .commit import Commit, TierCommit
 from .config import CompressStage, PersistStage, PipelineConfig
 from .metrics import CheckpointStats, StageStats
 from .persist import TierWriter
-from .plan import CheckpointPlan, ChunkPlan
+from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint
 from .plan_cache import EagerSources
 from .retry import storage_call
 from .room import Room
@@ -53,27 +53,27 @@ class CheckpointJob:
         self,
         ctx: JobContext,
         step: int,
-        plan: CheckpointPlan,
+        plan: CheckpointPlan | Callable[[], CheckpointPlan],
         ready: torch.cuda.Event | None,
         on_captured: Callable[[], None],
         stats: CheckpointStats,
         sources: EagerSources | None = None,
-        resolve: Callable[[], CheckpointPlan] | None = None,
     ) -> None:
-        """``stats``: the handle's, which this job fills in (the trainer's side is already there);
-        ``sources``: the eager copies made in batches (plan_cache.py); ``resolve``: runs in the
-        background before the step is opened, and gives the plan to write (a reused plan checked, an
-        optimizer's state listed), or fails the checkpoint if the plan no longer fits the tensors."""
+        """``plan``: what to write, or what makes it in the background before the step is opened (a reused
+        plan checked, an optimizer's state listed: plan_cache.Resolve), failing the checkpoint if the plan
+        no longer fits the tensors; ``stats``: the handle's, which this job fills in (the trainer's side is
+        already there); ``sources``: the eager copies made in batches (plan_cache.py)."""
         self.ctx = ctx
         self.step = step
-        self.plan = plan
+        self._planned = plan
+        if isinstance(plan, CheckpointPlan):
+            self.plan = plan  # otherwise set by run(), once made
         self.ready = ready
         self.on_captured = on_captured
         self.stats = stats
         self.sources = sources
-        self.resolve = resolve
         self._held: set[Slab] = set()
-        self._to_capture = len(plan.chunks)
+        self._to_capture = 0  # this rank's chunks, once the step is open
         self._started = time.monotonic()
         self._writer: TierWriter | None = None
         compress = ctx.config.stage_of_kind("compress")
@@ -83,13 +83,15 @@ class CheckpointJob:
     async def run(self) -> Path:
         tier = self.ctx.tier
         commit = self.ctx.commit or TierCommit(tier)
-        if self.resolve is not None:  # before opening: with many ranks, each offers what it will write
+        plan = self._planned
+        if not isinstance(plan, CheckpointPlan):  # before opening: with many ranks, each offers what it will write
             try:
-                self.plan = await run_blocking(self.ctx.compute, self.resolve)
+                plan = await run_blocking(self.ctx.compute, plan)
             except Exception as exc:
                 if not commit.decline(exc):
                     raise
-        partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, self.plan)
+                plan = plan_checkpoint([], self.ctx.cache.slab_size)  # declined: nothing of it is written
+        partial, self.plan = await run_blocking(self.ctx.io, commit.begin, self.step, plan)
         self._to_capture = len(self.plan.chunks)  # with many ranks, only this rank's share
         try:
             if self.ctx.room is not None:

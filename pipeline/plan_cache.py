@@ -95,12 +95,11 @@ class EagerSources:
 class Prepared:
     """What the trainer's thread hands the job: the plan, what was copied, where capture finds copies."""
 
-    plan: CheckpointPlan  # as known at the request; ``resolve`` gives the one the job writes
     snapshot: EagerSnapshot
     copies: list[TensorItem]  # plain-path copies, released when the checkpoint ends
     described: list[TensorItem]  # the tensors of the providers described this time (not from the reused plan)
     sources: EagerSources
-    resolve: Resolve
+    resolve: Resolve  # gives the plan, in the background: joining the parts touches every planned item
 
 
 @dataclass
@@ -151,6 +150,8 @@ def same_batches(new: dict[str, TensorBatch], old: dict[str, TensorBatch]) -> bo
         return False
     for path, batch in new.items():
         was = old[path]
+        if batch.tensors is was.tensors and batch.keys is was.keys and batch.changes is was.changes:
+            continue  # the very listing (a deferred optimizer's, a module's unchanged): no object to touch
         if (
             batch.changes != was.changes
             or len(batch.tensors) != len(was.tensors)
@@ -206,8 +207,7 @@ class PlanCache:
         )
         flat = [s.reshape(-1).view(torch.uint8).numpy() for s in stacks]
         resolve = Resolve(self, entry, rest, {path: provider for path, (provider, _) in deferred.items()}, rules)
-        plan = _combine(entry.plan, rest)
-        return Prepared(plan, eager, copies, rest.tensors, EagerSources(entry.where, flat), resolve)
+        return Prepared(eager, copies, rest.tensors, EagerSources(entry.where, flat), resolve)
 
     def relist(
         self, entry: Entry, deferred: dict[str, OptimizerProvider], rules: CaptureRules, rest: CheckpointPlan
@@ -221,6 +221,9 @@ class PlanCache:
             for path, batch in fresh.items()
             if batch is None or not same_batches({path: batch}, {path: entry.batches[path]})
         }
+        for path, batch in fresh.items():
+            if batch is not None and path not in changed:
+                entry.batches[path] = batch  # the same tensors, as last listed: what regrouped() is given next
         if not changed:
             return entry
         try:
@@ -254,6 +257,10 @@ class Resolve:
             entry = self.cache.relist(entry, self.deferred, self.rules, self.rest)
         entry.check_forms()
         return _combine(entry.plan, self.rest)
+
+    def known(self) -> CheckpointPlan:
+        """The plan as known at the request, for the capture check (nothing is deferred when it runs)."""
+        return _combine(self.entry.plan, self.rest)
 
 
 def _deferrable(

@@ -49,7 +49,7 @@ from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, 
 from .metrics import CheckpointStats, Outcome, RunMetrics
 from .peers import PeerLink
 from .plan import CheckpointPlan, plan_checkpoint
-from .plan_cache import PlanCache
+from .plan_cache import PlanCache, Resolve
 from .registration import provider_for
 from .restore import RestoreResult, nearest_first, restore_into
 from .room import Room
@@ -263,20 +263,23 @@ class Runner:
                     return handle
                 previous.handle.wait()
             declined = None
-            sources = resolve = None
+            sources = None
+            plan: CheckpointPlan | Resolve
             try:
                 check = self.config.policies.check_capture  # fingerprints every lazy tensor now: nothing deferred
                 prepared = self._plans.prepare(self.providers, self._rules, defer=not check)
                 if prepared is not None:  # a reused plan, eager tensors copied in batches (plan_cache.py)
-                    plan, snapshot, copies = prepared.plan, prepared.snapshot, prepared.copies
-                    sources, resolve = prepared.sources, prepared.resolve
+                    snapshot, copies, sources = prepared.snapshot, prepared.copies, prepared.sources
+                    plan, described = prepared.resolve, prepared.described  # a reused plan's are on the CPU
                 else:
                     plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
                     # Tensors that may change before their lazy copy are copied now (laziness.py).
                     snapshot, copies = self._rules.snapshot_eager(plan.tensors)
+                    described = plan.tensors
                 completer.snapshotted(snapshot)
-                on_captured = self._capture_check(plan, completer) if self.config.policies.check_capture else None
-                described = plan.tensors if prepared is None else prepared.described  # a reused plan's are on the CPU
+                on_captured = None
+                if check:
+                    on_captured = self._capture_check(plan.known() if isinstance(plan, Resolve) else plan, completer)
                 ready = record_ready_event([item.tensor for item in described])
             except Exception as exc:  # a provider bug must not stop training
                 if self._group is None:
@@ -301,9 +304,7 @@ class Runner:
                 self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit,
                 self._room,
             )  # fmt: skip
-            job = CheckpointJob(
-                ctx, step, plan, ready, on_captured or completer.captured, handle.stats, sources, resolve
-            )
+            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured, handle.stats, sources)
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)
             asyncio.run_coroutine_threadsafe(self._run(job, completer, copies), self._loop)
