@@ -314,9 +314,10 @@ def _replanned(
             )
         batches[path] = batch
         for key, tensor in zip(batch.keys, batch.tensors, strict=True):
-            if is_dtensor(tensor) or tensor.device.type != "cpu":
+            if not isinstance(tensor, torch.Tensor) or is_dtensor(tensor) or tensor.device.type != "cpu":
+                where = f" on {tensor.device}" if isinstance(tensor, torch.Tensor) else ""
                 raise PlanChangedError(
-                    f"optimizer {path!r}: state {key!r} is now a {type(tensor).__name__} on {tensor.device}; "
+                    f"optimizer {path!r}: state {key!r} is now a {type(tensor).__name__}{where}; "
                     "the next checkpoint plans afresh"
                 )
             replicated = providers[path].replicated

@@ -175,3 +175,26 @@ def test_optimizer_state_that_comes_to_alias_a_parameter_fails_that_checkpoint_o
     assert _same(got["model"], expected["model"])
     assert all(_same(got["optim"]["state"][i]["buf"], expected["optim"]["state"][i]["buf"]) for i in range(4))
     assert runner.steps()["nvme"] == [1, 2, 4]
+
+
+def test_a_state_value_that_stops_being_a_tensor_fails_that_checkpoint_clearly(
+    make_runner: Callable[..., Runner],
+) -> None:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    runner = make_runner(**DEFERRED)
+    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
+    _train(model, optimizer, seed=1)
+    runner.checkpoint(1).result()
+    _train(model, optimizer, seed=2)
+    first = next(iter(optimizer.state.values()))
+    first["step"] = 2.0  # a float where a tensor was, names and outline unchanged
+    with pytest.raises(CheckpointFailed, match=r"optimizer 'optim': state 'state/0/step' is now a float"):
+        runner.checkpoint(2).result()
+    expected = _state(model, optimizer)
+    runner.checkpoint(3).result()  # described item by item on the trainer's thread: the float is an object
+    got = _restored(make_runner, torch.optim.Adam, 3)
+    assert _same(got["model"], expected["model"])
+    assert float(got["optim"]["state"][0]["step"]) == 2.0  # Adam's load_state_dict makes it a tensor again
+    for index, saved in expected["optim"]["state"].items():
+        assert _same(got["optim"]["state"][index]["exp_avg_sq"], saved["exp_avg_sq"]), index
