@@ -97,9 +97,13 @@ class Prepared:
 
     snapshot: EagerSnapshot
     copies: list[TensorItem]  # plain-path copies, released when the checkpoint ends
-    described: list[TensorItem]  # the tensors of the providers described this time (not from the reused plan)
     sources: EagerSources
     resolve: Resolve  # gives the plan, in the background: joining the parts touches every planned item
+
+    @property
+    def described(self) -> list[TensorItem]:
+        """The tensors of the providers described this time (not from the reused plan)."""
+        return self.resolve.rest.tensors
 
 
 @dataclass
@@ -113,9 +117,13 @@ class Entry:
     where: dict[str, tuple[int, int]]
     eager_bytes: int
     uncovered: tuple[str, ...]
-    tensors: list[torch.Tensor] = field(default_factory=list)  # every planned tensor, lazy ones too
-    forms: list[tuple[torch.dtype, torch.Size, torch.device]] = field(default_factory=list)  # as planned
     invalid: bool = False
+    tensors: list[torch.Tensor] = field(init=False)  # every planned tensor, lazy ones too
+    forms: list[tuple[torch.dtype, torch.Size, torch.device]] = field(init=False)  # as planned
+
+    def __post_init__(self) -> None:
+        self.tensors = [item.tensor for item in self.plan.tensors]
+        self.forms = list(map(_FORM, self.tensors))
 
     def matches(self, batches: dict[str, TensorBatch], covered: frozenset[int]) -> bool:
         """Same providers, keys, ``changes`` and tensor objects, same coverage: C loops, no per-item Python.
@@ -207,7 +215,7 @@ class PlanCache:
         )
         flat = [s.reshape(-1).view(torch.uint8).numpy() for s in stacks]
         resolve = Resolve(self, entry, rest, {path: provider for path, (provider, _) in deferred.items()}, rules)
-        return Prepared(eager, copies, rest.tensors, EagerSources(entry.where, flat), resolve)
+        return Prepared(eager, copies, EagerSources(entry.where, flat), resolve)
 
     def relist(
         self, entry: Entry, deferred: dict[str, OptimizerProvider], rules: CaptureRules, rest: CheckpointPlan
@@ -322,11 +330,11 @@ def _replanned(
                 )
             replicated = providers[path].replicated
             items.append(TensorItem(f"{path}/{key}", tensor, replicated=replicated, changes="step"))
-    plan = plan_checkpoint(items, chunk_size)
-    if plan.aliases:
+    plan = _reusable_plan(items, chunk_size)
+    if plan is None:
         raise PlanChangedError(
-            f"optimizer state of {', '.join(map(repr, changed))} now shares memory with other planned tensors "
-            f"({next(iter(plan.aliases))!r}); the next checkpoint plans afresh"
+            f"optimizer state of {', '.join(map(repr, changed))} now shares memory with other planned tensors; "
+            "the next checkpoint plans afresh"
         )
     covered = rules.covered(refresh=True)
     if {item.key for item in rules.eager(plan.tensors, covered)} != entry.where.keys():
@@ -334,11 +342,7 @@ def _replanned(
             f"optimizer {', '.join(map(repr, changed))} changed which tensors it holds, and so which must be "
             "copied before checkpoint() returns; the next checkpoint plans afresh"
         )
-    plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}
-    planned = [item.tensor for item in plan.tensors]
-    return dataclasses.replace(
-        entry, batches=batches, covered=covered, plan=plan, tensors=planned, forms=list(map(_FORM, planned))
-    )
+    return dataclasses.replace(entry, batches=batches, covered=covered, plan=plan)  # tensors and forms: its own
 
 
 def _restate(rest: CheckpointPlan, path: str, provider: OptimizerProvider) -> None:
@@ -381,10 +385,9 @@ def _build(
         items += planned
     if any(item.tensor.device.type != "cpu" for item in items):
         return None
-    plan = plan_checkpoint(items, chunk_size)
-    if plan.aliases:  # which tensors share storage is not checked per checkpoint: plain path
+    plan = _reusable_plan(items, chunk_size)
+    if plan is None:
         return None
-    plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}  # the planned form, whatever happens later
     eager = rules.eager(plan.tensors, covered)
     groups: dict[tuple[torch.dtype, tuple[int, ...]], tuple[int, EagerGroup]] = {}
     where: dict[str, tuple[int, int]] = {}
@@ -395,13 +398,20 @@ def _build(
         index, group = groups[form]
         where[item.key] = (index, len(group.tensors) * item.nbytes)
         group.tensors.append(item.tensor)
-    planned = [item.tensor for item in plan.tensors]
     uncovered = tuple(item.key for item in eager if item.changes == "step")
     eager_groups = [group for _, group in groups.values()]
     eager_bytes = sum(i.nbytes for i in eager)
-    return Entry(
-        batches, covered, plan, eager_groups, where, eager_bytes, uncovered, planned, list(map(_FORM, planned))
-    )
+    return Entry(batches, covered, plan, eager_groups, where, eager_bytes, uncovered)
+
+
+def _reusable_plan(items: list[TensorItem], chunk_size: int) -> CheckpointPlan | None:
+    """``items`` planned with the form each is stored under fixed now, whatever happens later; None if two
+    share storage (which tensors alias is not checked per checkpoint: those take the plain path)."""
+    plan = plan_checkpoint(items, chunk_size)
+    if plan.aliases:
+        return None
+    plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}
+    return plan
 
 
 def _as_described(batch: TensorBatch, described: list[Item], prefix: str) -> list[TensorItem] | None:
