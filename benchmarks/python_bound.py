@@ -12,11 +12,15 @@ checkpoint = the window's step times minus as many steps at the mean time alone.
 interleaved over ``--repeats`` rounds:
 
 * ``tierstate``: the runner (capture into its host cache, xxh3, O_DIRECT persist, commit),
-* ``tierstate-1worker``: the same with one capture and one persist worker (default two each): at most
-  two busy pipeline threads, so on a 2-core machine one core stays free for the trainer,
+* ``tierstate-1worker``: the same with one capture and one persist worker: at most two busy pipeline
+  threads, so on a 2-core machine one core stays free for the trainer,
+* ``tierstate-64MiB``: the default pipeline with 64 MiB chunks instead of 16: a quarter of the
+  hand-overs between stage threads (what each costs the trainer is the difference),
 * ``floor-thread``: the copy floor, one plain Python thread: memcpy of the state into reused buffers,
   buffered write to one file, fsync (all of it in calls that release the GIL),
 * ``floor-direct-thread``: the same, written with O_DIRECT as tierstate writes (no page-cache copy),
+* ``floor-hash-thread``: the O_DIRECT floor with tierstate's checksum (xxh3 of every buffer) between
+  the copy and the write: the least a checkpointer that verifies what it wrote must do,
 * ``floor-process``: the same work as ``floor-thread`` in a forked child process: it competes for CPU but not the GIL,
 * ``tierstate-si0.5ms``: tierstate with ``sys.setswitchinterval(0.0005)`` (default 5 ms) around the
   run: if the trainer waits on the GIL for pipeline threads that hold it in Python, this changes it.
@@ -54,8 +58,9 @@ from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
 from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
 from harness.units import MiB, fmt_bytes, parse_size
 
+FLOOR_THREADS = ("floor-thread", "floor-direct-thread", "floor-hash-thread")
 METHODS = [
-    "tierstate", "tierstate-1worker", "floor-thread", "floor-direct-thread", "floor-process", "tierstate-si0.5ms"
+    "tierstate", "tierstate-1worker", "tierstate-64MiB", *FLOOR_THREADS, "floor-process", "tierstate-si0.5ms"
 ]
 
 
@@ -92,6 +97,15 @@ class Background:
 
     def __init__(self, state: Any, root: Path) -> None:
         self.sources = list(state.tensors.values())
+        # The floor's child is forked first: every page the parent writes after a fork is copied on its
+        # first write (copy-on-write, while the child lives), which made the first two checkpoints into
+        # memory allocated before the fork 5-15x slower and cost the trainer 60-90% of its steps then.
+        self._conn, child = multiprocessing.get_context("fork").Pipe()
+        self._child = multiprocessing.get_context("fork").Process(
+            target=_floor_child, args=(self.sources, root / "floor-process.bin", child), daemon=True
+        )
+        self._child.start()
+        self._conn.recv()
         self.buffers = host_buffers(self.sources)
         self.floor_file = root / "floor-thread.bin"
         self.tierstate = TierstateCheckpointer(state, root / "tierstate", cache_bytes=cache_for(state.tensor_bytes))
@@ -99,27 +113,27 @@ class Background:
         self.one_worker = TierstateCheckpointer(
             state, root / "tierstate-1worker", cache_bytes=cache_for(state.tensor_bytes), overrides=one_worker
         )
-        for ckpt in (self.tierstate, self.one_worker):
+        self.big_chunks = TierstateCheckpointer(
+            state, root / "tierstate-64MiB", cache_bytes=cache_for(state.tensor_bytes, 64 * MiB), chunk_bytes=64 * MiB
+        )
+        for ckpt in self.checkpointers.values():
             ckpt.save(0)  # warm-up: the plan, first-use imports
             ckpt.drain()
-        self._conn, child = multiprocessing.get_context("fork").Pipe()
-        self._child = multiprocessing.get_context("fork").Process(
-            target=_floor_child, args=(self.sources, root / "floor-process.bin", child), daemon=True
-        )
-        self._child.start()
-        self._conn.recv()
         self.step = 0
         self.floor_cpu_s = 0.0
+
+    @property
+    def checkpointers(self) -> dict[str, TierstateCheckpointer]:
+        return {"tierstate": self.tierstate, "tierstate-1worker": self.one_worker, "tierstate-64MiB": self.big_chunks}
 
     def start(self, method: str) -> Callable[[], bool]:
         self.step += 1
         if method.startswith("tierstate"):
-            ckpt = self.one_worker if method == "tierstate-1worker" else self.tierstate
+            ckpt = self.checkpointers.get(method, self.tierstate)  # tierstate-si0.5ms: the default one
             handle = ckpt.runner.checkpoint(self.step)
             return handle.done
-        if method in ("floor-thread", "floor-direct-thread"):
-            direct = method == "floor-direct-thread"
-            thread = threading.Thread(target=self._floor_thread, args=(direct,), name=method)
+        if method in FLOOR_THREADS:
+            thread = threading.Thread(target=self._floor_thread, args=(method,), name=method)
             thread.start()
             return lambda: not thread.is_alive()
         if method == "floor-process":
@@ -127,24 +141,25 @@ class Background:
             return self._conn.poll
         raise ValueError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
 
-    def _floor_thread(self, direct: bool) -> None:
+    def _floor_thread(self, method: str) -> None:
         """The copy floor on this thread, its CPU seconds kept (the thread is gone when the run reads them)."""
         started = time.thread_time()
-        copy_write_fsync(self.sources, self.buffers, self.floor_file, direct)
+        copy_write_fsync(self.sources, self.buffers, self.floor_file, method != "floor-thread",
+                         hashed=method == "floor-hash-thread")
         self.floor_cpu_s = time.thread_time() - started
 
     def finish(self, method: str) -> None:
         if method == "floor-process":
             self._conn.recv()
-        self.tierstate.clear()
-        self.one_worker.clear()
+        for ckpt in self.checkpointers.values():
+            ckpt.clear()
         self.floor_file.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._conn.send(False)
         self._child.join()
-        self.tierstate.close()
-        self.one_worker.close()
+        for ckpt in self.checkpointers.values():
+            ckpt.close()
 
 
 def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps: int) -> dict[str, Any]:
@@ -171,7 +186,7 @@ def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps:
         cpu = cpu_delta_by_name(before, cpu_by_thread())
     finally:
         sys.setswitchinterval(interval)
-    if method in ("floor-thread", "floor-direct-thread"):
+    if method in FLOOR_THREADS:
         cpu[method] = background.floor_cpu_s
     background.finish(method)
     base = sum(alone) / len(alone)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from .checkpointer import BackgroundCheckpointer, Record
 from .tensors import iter_tensors
@@ -58,10 +59,15 @@ def memcpy_all(sources: list[torch.Tensor], buffers: list[np.ndarray]) -> None:
         np.copyto(dst, src.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def copy_write_fsync(sources: list[torch.Tensor], buffers: list[np.ndarray], path: Path, direct: bool = False) -> None:
-    """The plain-thread floor of a checkpoint: memcpy the state, write it to ``path`` (buffered, or
-    O_DIRECT as tierstate writes), fsync."""
+def copy_write_fsync(
+    sources: list[torch.Tensor], buffers: list[np.ndarray], path: Path, direct: bool = False, hashed: bool = False
+) -> None:
+    """The plain-thread floor of a checkpoint: memcpy the state, (``hashed``: xxh3 of each buffer, as
+    tierstate checksums every frame), write it to ``path`` (buffered, or O_DIRECT as tierstate writes), fsync."""
     memcpy_all(sources, buffers)
+    if hashed:
+        for buffer in buffers:
+            xxhash.xxh3_64_hexdigest(buffer)
     write_fsync(buffers, path, direct)
 
 
