@@ -158,7 +158,7 @@ class TierConfig(_Strict):
 
 
 class StageBase(_Strict):
-    """Fields every stage has: its worker task count, the bound of its input queue, its successor."""
+    """Fields every stage has: its worker thread count, the bound of its input queue, its successor."""
 
     kind: StageKind
     workers: Annotated[StrictInt, Field(ge=1)] = 1

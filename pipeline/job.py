@@ -1,17 +1,19 @@
 """One checkpoint's trip through the stage graph, from plan to commit.
 
-Stages are asyncio tasks joined by bounded queues, built from the YAML chain; each stage runs
-``workers`` tasks. The feeder blocks on a full queue and capture blocks on a full host cache, so
-no queue or buffer grows with the size of the state. Any failure cancels the whole graph, returns
-every slab, removes the partial directory and leaves the committed checkpoints as they were.
+The job is a coroutine on the runner's loop: plan, open, commit. In between, the units flow through
+the stages built from the YAML chain on threads joined by bounded queues (stage_threads.py says why
+not through the loop); each stage runs ``workers`` of them. The feeder blocks on a full queue and
+capture blocks on a full host cache, so no queue or buffer grows with the size of the state. Any
+failure stops the whole flow, returns every slab, removes the partial directory and leaves the
+committed checkpoints as they were.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,8 @@ from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint
 from .plan_cache import EagerSources
 from .retry import storage_call
 from .room import Room
-from .units import DONE, Chunk, ChunkEntry, ObjectBatch, run_blocking
+from .stage_threads import Flow, Handoff, Stopped, run_workers
+from .units import Chunk, ChunkEntry, ObjectBatch, run_blocking
 
 
 @dataclass
@@ -73,6 +76,8 @@ class CheckpointJob:
         self.stats = stats
         self.sources = sources
         self._held: set[Slab] = set()
+        self._slabs_lock = threading.Lock()  # the stage threads share _held and the counters
+        self._flow_state = Flow()  # replaced by each flow's (_flow)
         self._to_capture = 0  # this rank's chunks, once the step is open
         self._started = time.monotonic()
         self._writer: TierWriter | None = None
@@ -126,6 +131,7 @@ class CheckpointJob:
         return stage
 
     async def _flow(self) -> None:
+        """Every unit through the chain, on the stages' threads (stage_threads.py)."""
         chain = self.ctx.config.chain()
         # Past capture every chunk holds a host-cache slab, so the cache already bounds what is queued
         # there; a smaller queue bound would only hold capture back behind persist (measured: 1.5 GB
@@ -133,90 +139,88 @@ class CheckpointJob:
         # the trainer waits for.
         bounds = [stage.queue if i == 0 else max(stage.queue, self.ctx.cache.slab_count)
                   for i, (_, stage) in enumerate(chain)]
-        queues = [asyncio.Queue(maxsize=bound) for bound in bounds]
-        for (name, _), bound in zip(chain, bounds, strict=True):
-            self.stats.stages[name] = StageStats(queue_bound=bound)
+        flow = self._flow_state = Flow()
+        flow.on_stop(self.ctx.cache.wake)
+        queues = [Handoff(bound, flow) for bound in bounds]
+        units: list[object] = [ObjectBatch(self.plan.objects)] if self.plan.objects else []
+        units += self.plan.chunks  # objects first: their (small) serialization overlaps the tensor copies
+        calls: list[tuple[concurrent.futures.Executor, Callable[..., None], tuple]] = [
+            (self.ctx.compute, self._feed, (units, queues[0]))
+        ]
         workers = {"capture": self._capture, "serialize": self._serialize, "compress": self._compress}
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._feed(queues[0], chain[0][0]))
-            for i, (name, stage) in enumerate(chain):
-                fn = self._persist if stage.kind == "persist" else workers[stage.kind]
-                out = queues[i + 1] if i + 1 < len(queues) else None
-                out_name = chain[i + 1][0] if out is not None else ""
-                group.create_task(self._stage(name, stage.workers, fn, queues[i], out, out_name))
+        for i, (name, stage) in enumerate(chain):
+            self.stats.stages[name] = StageStats(queue_bound=bounds[i])
+            fn = self._persist if stage.kind == "persist" else workers[stage.kind]
+            pool = self.ctx.io if stage.kind == "persist" else self.ctx.compute
+            out = queues[i + 1] if i + 1 < len(queues) else None
+            left = [stage.workers]  # the last of them to finish closes ``out``
+            calls += [(pool, self._stage, (name, fn, queues[i], out, left))] * stage.workers
+        try:
+            await run_workers(flow, calls)
+        finally:
+            for (name, _), queue in zip(chain, queues, strict=True):
+                self.stats.stages[name].queued(queue.peak)
 
-    async def _put(self, queue: asyncio.Queue, name: str, unit: object) -> None:
-        await queue.put(unit)
-        self.stats.stages.setdefault(name, StageStats()).queued(queue.qsize())
+    def _feed(self, units: list[object], queue: Handoff) -> None:
+        for unit in units:
+            queue.put(unit)
+        queue.close()
 
-    async def _feed(self, queue: asyncio.Queue, name: str) -> None:
-        # Objects first: their (small) serialization then overlaps the bulk tensor copies.
-        if self.plan.objects:
-            await self._put(queue, name, ObjectBatch(self.plan.objects))
-        for chunk in self.plan.chunks:
-            await self._put(queue, name, chunk)
-        await queue.put(DONE)
-
-    async def _stage(
-        self,
-        name: str,
-        workers: int,
-        fn: Callable[[object], Awaitable[object]],
-        inbox: asyncio.Queue,
-        outbox: asyncio.Queue | None,
-        out_name: str,
+    def _stage(
+        self, name: str, fn: Callable[[object], object], inbox: Handoff, outbox: Handoff | None, left: list[int]
     ) -> None:
-        stage = self.stats.stages.setdefault(name, StageStats())  # _flow made it, unless driven alone
-
-        async def worker() -> None:
-            while True:
-                unit = await inbox.get()
-                if unit is DONE:
-                    inbox.put_nowait(DONE)  # let this stage's other workers see the end too
-                    return
-                started = time.monotonic()
-                result = await fn(unit)
-                out = unit if result is None else result  # persist puts out what it was given
-                nbytes = len(out.payload) if isinstance(out, Chunk) else 0
+        """One worker of stage ``name``: ``fn`` over units from ``inbox`` until it is closed and empty."""
+        stage = self.stats.stages[name]
+        while (unit := inbox.get()) is not None:
+            started = time.monotonic()
+            result = fn(unit)
+            out = unit if result is None else result  # persist puts out what it was given
+            nbytes = len(out.payload) if isinstance(out, Chunk) else 0
+            with self._flow_state.lock:
                 stage.unit_done(started, time.monotonic(), nbytes)
-                if outbox is not None:
-                    await self._put(outbox, out_name, result)
-
-        async with asyncio.TaskGroup() as group:
-            for _ in range(workers):
-                group.create_task(worker())
-        if outbox is not None:
-            await outbox.put(DONE)
+            if outbox is not None:
+                outbox.put(result)
+        with self._flow_state.lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and outbox is not None:
+            outbox.close()
 
     def _release(self, slab: Slab) -> None:
-        if slab in self._held:
+        with self._slabs_lock:
+            if slab not in self._held:
+                return
             self._held.discard(slab)
-            self.ctx.cache.release(slab)
+        self.ctx.cache.release(slab)
 
     def _captured(self) -> None:
         self.stats.capture_s = time.monotonic() - self._started
         self.on_captured()
 
-    async def _capture(self, unit: object) -> object:
+    def _capture(self, unit: object) -> object:
         if isinstance(unit, ObjectBatch):
             return unit
         assert isinstance(unit, ChunkPlan)
         asked = time.monotonic()
-        slab = await self.ctx.cache.acquire()
-        self.stats.cache_wait_s += time.monotonic() - asked
-        self._held.add(slab)
-        copy = self.ctx.copier.copy
-        chunk = await run_blocking(self.ctx.compute, copy, unit, slab, self.ready, self.sources, self._hash_raw)
-        self._to_capture -= 1
-        if self._to_capture == 0:
+        slab = self.ctx.cache.acquire(self._flow_state.stopped)
+        if slab is None:
+            raise Stopped
+        with self._slabs_lock:
+            self.stats.cache_wait_s += time.monotonic() - asked
+            self._held.add(slab)
+        chunk = self.ctx.copier.copy(unit, slab, self.ready, self.sources, self._hash_raw)
+        with self._slabs_lock:
+            self._to_capture -= 1
+            last = self._to_capture == 0
+        if last:
             self._captured()
         return chunk
 
-    async def _serialize(self, unit: object) -> Chunk:
+    def _serialize(self, unit: object) -> Chunk:
         if isinstance(unit, Chunk):
             return unit  # tensor bytes are already their serialized form; metadata goes to the manifest
         assert isinstance(unit, ObjectBatch)
-        return await run_blocking(self.ctx.compute, self._encode_objects, unit)
+        return self._encode_objects(unit)
 
     def _encode_objects(self, batch: ObjectBatch) -> Chunk:
         allow = self.ctx.config.policies.allow_pickle
@@ -231,7 +235,7 @@ class CheckpointJob:
             offset += len(data)
         return Chunk(entries=entries, raw=memoryview(b"".join(parts)))
 
-    async def _compress(self, chunk: object) -> Chunk:
+    def _compress(self, chunk: object) -> Chunk:
         assert isinstance(chunk, Chunk)  # serialize hands on only chunks
         stage = self.ctx.config.stage_of_kind("compress")
         if not isinstance(stage, CompressStage) or stage.codec == "none" or not len(chunk.raw):
@@ -241,17 +245,17 @@ class CheckpointJob:
         if chunk.slab is not None and cache.scratch_count:
             # Shuffle into a scratch slab, stream the frame back into the chunk's own slab: compression
             # allocates nothing outside the host cache (the slab is then held until persisted).
-            scratch = await cache.acquire_scratch()
+            scratch = cache.acquire_scratch(self._flow_state.stopped)
+            if scratch is None:
+                raise Stopped
             try:
-                done = await run_blocking(
-                    self.ctx.compute, codecs.compress_into, chunk.raw, scratch.tensor, stage.level, stage.threads, width
-                )
+                done = codecs.compress_into(chunk.raw, scratch.tensor, stage.level, stage.threads, width)
             finally:
                 cache.release_scratch(scratch)
             if done is not None:
                 chunk.stored, chunk.codec, chunk.shuffle = chunk.slab.view(done[0]), "zstd", done[1]
             return chunk
-        packed = await run_blocking(self.ctx.compute, codecs.compress, chunk.raw, stage.level, stage.threads, width)
+        packed = codecs.compress(chunk.raw, stage.level, stage.threads, width)
         if packed is not None:
             chunk.stored, chunk.codec, chunk.shuffle = packed.data, packed.codec, packed.shuffle
             if chunk.slab is not None:
@@ -259,12 +263,13 @@ class CheckpointJob:
                 chunk.slab = None
         return chunk
 
-    async def _persist(self, chunk: object) -> None:
+    def _persist(self, chunk: object) -> None:
         assert isinstance(chunk, Chunk)  # serialize and compress hand on only chunks
         assert self._writer is not None
-        await self._writer.write(chunk)
-        self.stats.raw_bytes += len(chunk.raw)
-        self.stats.stored_bytes += len(chunk.payload)
-        self.stats.chunks += 1
+        self._writer.write(chunk, self._flow_state.sleep)
+        with self._slabs_lock:
+            self.stats.raw_bytes += len(chunk.raw)
+            self.stats.stored_bytes += len(chunk.payload)
+            self.stats.chunks += 1
         if chunk.slab is not None:
             self._release(chunk.slab)

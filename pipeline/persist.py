@@ -2,16 +2,17 @@
 
 The writers in tiers (:mod:`tiers.rankwriter` over :mod:`tiers.container`) only block and raise
 OSError. This is the one place where the pipeline calls them, so whichever format the YAML picks
-(``persist.format``), the same rules hold: every call runs in the I/O pool; a chunk write or the
-index that fails with a transient error is retried under ``persist.retries`` and ``backoff``; the
-data fsync is never retried (:mod:`pipeline.retry` says why); every OSError becomes a TierError
-that names the tier and the file; the write rate stays under ``persist.bandwidth``.
+(``persist.format``), the same rules hold: every call runs in the I/O pool (chunk writes on the
+persist workers' threads there, stage_threads.py); a chunk write or the index that fails with a
+transient error is retried under ``persist.retries`` and ``backoff``; the data fsync is never
+retried (:mod:`pipeline.retry` says why); every OSError becomes a TierError that names the tier and
+the file; the write rate stays under ``persist.bandwidth``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
+from collections.abc import Callable
 from pathlib import Path
 
 from ..tiers.container import Chunk, Layout
@@ -20,7 +21,7 @@ from ..tiers.pacing import Pacer
 from ..tiers.rankwriter import RankWriter, data_file_path
 from .config import PersistStage
 from .plan import CheckpointPlan, tensor_layout
-from .retry import RetryPolicy, storage_call
+from .retry import RetryPolicy, storage_call, storage_call_here
 
 
 def plan_layout(plan: CheckpointPlan) -> Layout:
@@ -69,12 +70,14 @@ class TierWriter:
         writer = await storage_call(pool, where, _open, directory, rank, step, plan, stage, align)
         return cls(tier, writer, pool, RetryPolicy(stage.retries, stage.backoff), Pacer(stage.bandwidth))
 
-    async def write(self, chunk: Chunk) -> None:
+    def write(self, chunk: Chunk, sleep: Callable[[float], None]) -> None:
+        """On a persist worker's thread: ``chunk`` written (transient errors retried), then paced;
+        ``sleep`` waits (the flow's: a failure elsewhere ends it early, stage_threads.py)."""
         where = f"tier {self.tier}: writing {self.writer.path}"
-        await storage_call(self._pool, where, self.writer.write, chunk, retry=self._retry)
+        storage_call_here(where, self.writer.write, chunk, retry=self._retry, sleep=sleep)
         delay = self._pacer.delay(len(chunk.payload))
         if delay:
-            await asyncio.sleep(delay)
+            sleep(delay)
 
     async def finish(self) -> ManifestBody:
         """fsync the data file (never retried), write the index; this rank's manifest in JSON form."""

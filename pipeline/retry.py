@@ -68,12 +68,40 @@ async def storage_call(
         except TierError:
             raise  # already says which tier and path
         except OSError as exc:
-            where = " ".join([what, *getattr(exc, "__notes__", ())])  # a writer's note: where in the file
-            if retry is None or not transient(exc) or retries >= retry.retries:
-                after = f" (after {retries} {'retry' if retries == 1 else 'retries'})" if retries else ""
-                message = f"{where}: {exc.strerror or exc}{after}"
-                raise (TierError(exc.errno, message) if exc.errno else TierError(message)) from exc
-            delay = retry.delay(retries)
+            delay = _backoff(what, exc, retry, retries)
             retries += 1
-            log.warning("%s: %s; retry %d of %d in %.2f s", where, exc.strerror, retries, retry.retries, delay)
             await asyncio.sleep(delay)
+
+
+def storage_call_here(
+    what: str,
+    fn: Callable[..., T],
+    *args: Any,
+    retry: RetryPolicy | None = None,
+    sleep: Callable[[float], None],
+) -> T:
+    """:func:`storage_call` on this (stage worker) thread; ``sleep`` waits out a backoff (the flow's, which a
+    failure elsewhere ends early)."""
+    retries = 0
+    while True:
+        try:
+            return fn(*args)
+        except TierError:
+            raise
+        except OSError as exc:
+            delay = _backoff(what, exc, retry, retries)
+            retries += 1
+            sleep(delay)
+
+
+def _backoff(what: str, exc: OSError, retry: RetryPolicy | None, retries: int) -> float:
+    """The seconds to wait before retrying after ``retries`` retries failed with ``exc``; raises the
+    TierError that names ``what`` when the call is not to be retried (again)."""
+    where = " ".join([what, *getattr(exc, "__notes__", ())])  # a writer's note: where in the file
+    if retry is None or not transient(exc) or retries >= retry.retries:
+        after = f" (after {retries} {'retry' if retries == 1 else 'retries'})" if retries else ""
+        message = f"{where}: {exc.strerror or exc}{after}"
+        raise (TierError(exc.errno, message) if exc.errno else TierError(message)) from exc
+    delay = retry.delay(retries)
+    log.warning("%s: %s; retry %d of %d in %.2f s", where, exc.strerror, retries + 1, retry.retries, delay)
+    return delay

@@ -119,7 +119,9 @@ class Runner:
         compress = config.stage_of_kind("compress")
         scratch = compress.workers if compress is not None and compress.codec != "none" else 0
         self.cache = HostCache(config.host_cache.size, slab, pinned=bool(pinned), scratch=scratch)
-        stage_workers = max(s.workers for _, s in config.chain() if s.kind != "persist")
+        # A checkpoint's stage workers hold their threads for its whole flow (stage_threads.py): one each,
+        # and one for the feeder; only one checkpoint flows at a time.
+        stage_workers = sum(s.workers for _, s in config.chain() if s.kind != "persist") + 1
         self._compute = concurrent.futures.ThreadPoolExecutor(stage_workers, thread_name_prefix="tierstate-cpu")
         self._io = concurrent.futures.ThreadPoolExecutor(
             config.chain()[-1][1].workers + 1, thread_name_prefix="tierstate-io"

@@ -14,7 +14,7 @@ hand them to ``O_DIRECT`` writes as they are.
 
 from __future__ import annotations
 
-import asyncio
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +52,10 @@ class HostCache:
         self._pool.zero_()  # fault every page in now, not during the first checkpoint's capture
         slabs = [Slab(i, self._pool[i * slab_size : (i + 1) * slab_size]) for i in range(total)]
         self._slabs, self._scratch_slabs = slabs[: self.slab_count], slabs[self.slab_count :]
-        self._free: asyncio.Queue[Slab] | None = None
-        self._free_scratch: asyncio.Queue[Slab] | None = None
+        self._free = list(reversed(self._slabs))  # acquired from the end: lowest index first
+        self._free_scratch = list(self._scratch_slabs)
+        # Acquired and released by the pipeline's stage threads, never on the event loop (stage_threads.py).
+        self._changed = threading.Condition()
         self.in_use = 0
         self.peak_in_use = 0
         self.waits = 0
@@ -62,35 +64,40 @@ class HostCache:
     def nbytes(self) -> int:
         return self._pool.numel()
 
-    def _queue(self) -> asyncio.Queue[Slab]:
-        # Created on first use so it binds to the runner's loop, not the constructing thread's.
-        if self._free is None:
-            self._free = asyncio.Queue()
-            for slab in self._slabs:
-                self._free.put_nowait(slab)
-        return self._free
-
-    async def acquire(self) -> Slab:
-        free = self._queue()
-        if free.empty():
-            self.waits += 1
-        slab = await free.get()
-        self.in_use += 1
-        self.peak_in_use = max(self.peak_in_use, self.in_use)
-        return slab
+    def acquire(self, interrupted: threading.Event) -> Slab | None:
+        """A free slab, waiting while there is none; None once ``interrupted`` is set (and :meth:`wake` called)."""
+        with self._changed:
+            if not self._free:
+                self.waits += 1
+            while not self._free:
+                if interrupted.is_set():
+                    return None
+                self._changed.wait()
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return self._free.pop()
 
     def release(self, slab: Slab) -> None:
-        self.in_use -= 1
-        self._queue().put_nowait(slab)
+        with self._changed:
+            self.in_use -= 1
+            self._free.insert(0, slab)  # used again last: the slab persist just wrote stays the coldest
+            self._changed.notify_all()
 
-    async def acquire_scratch(self) -> Slab:
+    def acquire_scratch(self, interrupted: threading.Event) -> Slab | None:
         """A scratch slab (``scratch_count`` > 0); never competes with capture, so it cannot deadlock it."""
-        if self._free_scratch is None:
-            self._free_scratch = asyncio.Queue()
-            for slab in self._scratch_slabs:
-                self._free_scratch.put_nowait(slab)
-        return await self._free_scratch.get()
+        with self._changed:
+            while not self._free_scratch:
+                if interrupted.is_set():
+                    return None
+                self._changed.wait()
+            return self._free_scratch.pop()
 
     def release_scratch(self, slab: Slab) -> None:
-        assert self._free_scratch is not None
-        self._free_scratch.put_nowait(slab)
+        with self._changed:
+            self._free_scratch.append(slab)
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiting ``acquire`` so that one whose ``interrupted`` is now set returns None."""
+        with self._changed:
+            self._changed.notify_all()

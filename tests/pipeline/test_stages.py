@@ -1,8 +1,8 @@
-"""The stage coroutines and their bounded queues, driven directly on the test's event loop (pytest-asyncio).
+"""The stage workers and their bounded hand-offs, driven directly from the test (no runner).
 
-No runner and no background thread: each test feeds a stage's inbox itself and reads its outbox, so
-it can stop at the exact point where backpressure must hold (a full queue, a full host cache) and
-look. Capture copies real tensors into real host-cache slabs; serialize really encodes objects.
+Each test starts a stage's workers on threads, feeds their inbox itself and reads their outbox, so it
+can stop at the exact point where backpressure must hold (a full queue, a full host cache) and look.
+Capture copies real tensors into real host-cache slabs; serialize really encodes objects.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +20,10 @@ import torch
 from tierstate.pipeline.capture import SlabCopier
 from tierstate.pipeline.config import parse_config
 from tierstate.pipeline.job import CheckpointJob, JobContext
-from tierstate.pipeline.metrics import CheckpointStats
+from tierstate.pipeline.metrics import CheckpointStats, StageStats
 from tierstate.pipeline.plan import ChunkPlan, plan_checkpoint
-from tierstate.pipeline.units import DONE, Chunk, ObjectBatch, run_blocking
+from tierstate.pipeline.stage_threads import Flow, Handoff, Stopped, run_workers
+from tierstate.pipeline.units import Chunk, ObjectBatch, run_blocking
 from tierstate.providers import ObjectItem, TensorItem
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.hostcache import HostCache
@@ -49,65 +51,129 @@ def _job(tmp_path: Path, pools, items: list, cache_slabs: int = 2) -> tuple[Chec
     return CheckpointJob(ctx, 1, plan_checkpoint(items, MiB), None, lambda: None, CheckpointStats(1)), cache
 
 
-async def _fill(queue: asyncio.Queue, units: list) -> None:
+def _until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` (a state another thread reaches without telling anyone) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def _thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def _filled(flow: Flow, units: list) -> Handoff:
+    queue = Handoff(len(units) + 1, flow)
     for unit in units:
-        queue.put_nowait(unit)
-    queue.put_nowait(DONE)
+        queue.put(unit)
+    queue.close()
+    return queue
 
 
-async def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_path, pools):
+def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_path, pools):
     tensors = [torch.arange(MiB // 4, dtype=torch.float32) + i for i in range(3)]
     job, cache = _job(tmp_path, pools, [TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
     assert len(job.plan.chunks) == 3 and cache.slab_count == 2
-    inbox, outbox = asyncio.Queue(), asyncio.Queue()
-    await _fill(inbox, job.plan.chunks)
-    stage = asyncio.create_task(job._stage("capture", 1, job._capture, inbox, outbox, "serialize"))
+    flow = job._flow_state
+    inbox, outbox = _filled(flow, job.plan.chunks), Handoff(8, flow)
+    job.stats.stages["capture"] = StageStats()
+    worker = _thread(job._stage, "capture", job._capture, inbox, outbox, [1])
 
-    first, second = await outbox.get(), await outbox.get()
+    first, second = outbox.get(), outbox.get()
     # The worker went straight on to the third chunk and is now waiting for a slab: nothing more comes out.
-    assert cache.waits == 1 and cache.in_use == 2
-    assert outbox.empty() and not stage.done()
+    _until(lambda: cache.waits == 1, "capture to wait for a slab")
+    assert cache.in_use == 2 and worker.is_alive()
     assert bytes(first.raw) == tensors[0].numpy().tobytes() and bytes(second.raw) == tensors[1].numpy().tobytes()
 
     job._release(first.slab)  # persist is done with the first chunk
-    third = await outbox.get()
+    third = outbox.get()
     assert third.slab is first.slab and bytes(third.raw) == tensors[2].numpy().tobytes()  # the freed slab, reused
-    assert await outbox.get() is DONE
-    await stage
-    assert cache.peak_in_use == 2
+    assert outbox.get() is None  # the stage's last worker closed its outbox
+    worker.join(30)
+    assert cache.peak_in_use == 2 and job.stats.stages["capture"].units == 3
 
 
-async def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on(tmp_path, pools):
+def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on(tmp_path, pools):
     job, _ = _job(tmp_path, pools, [ObjectItem("meta", {"epoch": 2}), ObjectItem("note", "hi", serializer="json")])
     tensor_chunk = Chunk(entries=[], raw=memoryview(b"raw tensor bytes"))
-    inbox, outbox = asyncio.Queue(maxsize=4), asyncio.Queue()
-    await _fill(inbox, [ObjectBatch(job.plan.objects), tensor_chunk])
-    await job._stage("serialize", 2, job._serialize, inbox, outbox, "compress")
+    flow = job._flow_state
+    inbox, outbox = _filled(flow, [ObjectBatch(job.plan.objects), tensor_chunk]), Handoff(8, flow)
+    job.stats.stages["serialize"] = StageStats()
+    left = [2]
+    for worker in [_thread(job._stage, "serialize", job._serialize, inbox, outbox, left) for _ in range(2)]:
+        worker.join(30)
 
-    out = [outbox.get_nowait() for _ in range(outbox.qsize())]
-    assert out[-1] is DONE and DONE not in out[:-1]  # both workers stopped, one end marker passed on
-    assert tensor_chunk in out
-    [objects] = [unit for unit in out[:-1] if unit is not tensor_chunk]
+    out = []
+    while (unit := outbox.get()) is not None:  # closed once, by the last of the two workers
+        out.append(unit)
+    assert tensor_chunk in out and len(out) == 2 and left == [0]
+    [objects] = [unit for unit in out if unit is not tensor_chunk]
     decoded = {e.key: bytes(objects.raw[e.chunk_offset : e.chunk_offset + e.length]) for e in objects.entries}
     assert decode_object(decoded["meta"], "msgpack") == {"epoch": 2}
     assert decode_object(decoded["note"], "json") == "hi"
 
 
-async def test_the_feeder_waits_while_the_first_queue_is_full(tmp_path, pools):
+def test_the_feeder_waits_while_the_first_queue_is_full(tmp_path, pools):
     tensors = [torch.full((MiB // 8,), float(i)) for i in range(5)]  # half a MiB each: 3 chunks
     job, _ = _job(tmp_path, pools, [TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
-    chunks = len(job.plan.chunks)
-    assert chunks == 3
-    queue: asyncio.Queue = asyncio.Queue(maxsize=2)
-    feeder = asyncio.create_task(job._feed(queue, "capture"))
-    await asyncio.sleep(0)  # the feeder runs until the bound stops it (puts into a queue with room never yield)
-    assert queue.qsize() == 2 and not feeder.done()
+    assert len(job.plan.chunks) == 3
+    queue = Handoff(2, job._flow_state)
+    feeder = _thread(job._feed, job.plan.chunks, queue)
+    _until(lambda: queue.peak == 2, "the feeder to fill the queue")
+    assert feeder.is_alive()  # blocked on the third put until a unit is taken
     received = []
-    while not received or received[-1] is not DONE:
-        received.append(await queue.get())
-    await feeder
-    assert received[:-1] == job.plan.chunks and isinstance(received[0], ChunkPlan)
-    assert job.stats.queue_peaks["capture"] == 2
+    while (unit := queue.get()) is not None:
+        received.append(unit)
+    feeder.join(30)
+    assert received == job.plan.chunks and isinstance(received[0], ChunkPlan) and queue.peak == 2
+
+
+async def test_a_failing_worker_stops_the_flow_and_its_error_is_raised(pools):
+    """The other workers end their waits (an empty queue, a full one, the host cache) instead of hanging."""
+    flow = Flow()
+    cache = HostCache(2 * MiB, MiB, pinned=False)
+    flow.on_stop(cache.wake)
+    empty, full = Handoff(1, flow), Handoff(1, flow)
+    full.put("unit")
+    held = [cache.acquire(flow.stopped), cache.acquire(flow.stopped)]
+    assert None not in held
+    blocked = threading.Barrier(4)
+
+    def waits(fn) -> None:
+        blocked.wait(30)
+        fn()
+
+    def fails() -> None:
+        blocked.wait(30)
+        raise OSError(28, "No space left on device")
+
+    calls = [(pools[0], waits, (empty.get,)), (pools[0], waits, (lambda: full.put("more"),)),
+             (pools[1], waits, (lambda: cache.acquire(flow.stopped),)), (pools[1], fails, ())]  # fmt: skip
+    with pytest.raises(OSError, match="No space left"):
+        await asyncio.wait_for(run_workers(flow, calls), 60)
+    assert flow.stopped.is_set() and cache.acquire(flow.stopped) is None
+    with pytest.raises(Stopped):
+        flow.sleep(60)  # a backoff in a stopped flow ends at once
+
+
+async def test_a_cancelled_flow_stops_its_workers_and_waits_for_them(pools):
+    flow = Flow()
+    queue = Handoff(1, flow)
+    started = threading.Event()
+
+    def worker() -> None:
+        started.set()
+        queue.get()  # nothing ever comes: only the stop ends this
+
+    run = asyncio.create_task(run_workers(flow, [(pools[0], worker, ())]))
+    await asyncio.to_thread(started.wait, 30)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 60)
+    assert flow.stopped.is_set() and isinstance(flow.error, asyncio.CancelledError)
 
 
 async def test_a_cancelled_blocking_call_still_waits_for_its_thread(pools):
