@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from ..providers.items import ObjectItem
 from ..tiers.container import Chunk, ChunkEntry
 
-__all__ = ["DONE", "Chunk", "ChunkEntry", "Done", "ObjectBatch", "run_blocking"]
+__all__ = ["Chunk", "ChunkEntry", "ObjectBatch", "run_blocking"]
 
 T = TypeVar("T")
 
@@ -27,13 +27,6 @@ T = TypeVar("T")
 @dataclass
 class ObjectBatch:
     objects: list[ObjectItem]
-
-
-class Done:
-    """End of stream marker between stages."""
-
-
-DONE = Done()
 
 
 async def run_blocking(pool: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
