@@ -76,7 +76,7 @@ class CheckpointJob:
         self.stats = stats
         self.sources = sources
         self._held: set[Slab] = set()
-        self._slabs_lock = threading.Lock()  # the stage threads share _held and the counters
+        self._lock = threading.Lock()  # the stage threads share _held, the counters and the stage stats
         self._flow_state = Flow()  # replaced by each flow's (_flow)
         self._to_capture = 0  # this rank's chunks, once the step is open
         self._started = time.monotonic()
@@ -176,18 +176,18 @@ class CheckpointJob:
             result = fn(unit)
             out = unit if result is None else result  # persist puts out what it was given
             nbytes = len(out.payload) if isinstance(out, Chunk) else 0
-            with self._flow_state.lock:
+            with self._lock:
                 stage.unit_done(started, time.monotonic(), nbytes)
             if outbox is not None:
                 outbox.put(result)
-        with self._flow_state.lock:
+        with self._lock:
             left[0] -= 1
             last = left[0] == 0
         if last and outbox is not None:
             outbox.close()
 
     def _release(self, slab: Slab) -> None:
-        with self._slabs_lock:
+        with self._lock:
             if slab not in self._held:
                 return
             self._held.discard(slab)
@@ -205,11 +205,11 @@ class CheckpointJob:
         slab = self.ctx.cache.acquire(self._flow_state.stopped)
         if slab is None:
             raise Stopped
-        with self._slabs_lock:
+        with self._lock:
             self.stats.cache_wait_s += time.monotonic() - asked
             self._held.add(slab)
         chunk = self.ctx.copier.copy(unit, slab, self.ready, self.sources, self._hash_raw)
-        with self._slabs_lock:
+        with self._lock:
             self._to_capture -= 1
             last = self._to_capture == 0
         if last:
@@ -267,7 +267,7 @@ class CheckpointJob:
         assert isinstance(chunk, Chunk)  # serialize and compress hand on only chunks
         assert self._writer is not None
         self._writer.write(chunk, self._flow_state.sleep)
-        with self._slabs_lock:
+        with self._lock:
             self.stats.raw_bytes += len(chunk.raw)
             self.stats.stored_bytes += len(chunk.payload)
             self.stats.chunks += 1
