@@ -8,7 +8,10 @@ once with O_DIRECT and once buffered, each followed by fsync. The better of the 
 bytes / that bandwidth is the floor no checkpointer can beat, and the target is 1.25x of it.
 
 ``tierstate (io: buffered)`` is tierstate with O_DIRECT switched off, kept to show what the page
-cache costs on this machine.
+cache costs on this machine. ``tierstate (16 MiB chunks)`` is the chunk size that was the default
+until issue 16 (64 MiB now), and ``tierstate (one thread)`` one thread per chunk from copy to write
+(pipeline/lanes.py), the setting that spares a Python-bound trainer most (``python_bound.py``):
+this shows what each costs in time to durable.
 
     python benchmarks/durable.py                  # full GPT state (~1.5 GB), ~4 min, 5 rounds
     python benchmarks/durable.py --methods tierstate --repeats 8 --tag tierstate-ab   # tierstate vs the disk only
@@ -18,6 +21,7 @@ cache costs on this machine.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from harness.cli import parser
@@ -28,9 +32,9 @@ from harness.methods import closing_all, make_checkpointer, setups
 from harness.paths import bench_root
 from harness.report import Report, progress, publish
 from harness.stats import interleave, median
-from harness.tierstate_checkpointer import cache_for
+from harness.tierstate_checkpointer import ONE_THREAD, cache_for
 from harness.timing import time_save, warm_up
-from harness.units import fmt_bytes, fmt_ratio, fmt_s, gbps
+from harness.units import MiB, fmt_bytes, fmt_ratio, fmt_s, gbps
 
 DISK = ["disk O_DIRECT", "disk buffered+fsync"]
 METHODS = ["tierstate", "tierstate (io: buffered)", "torch.save", "dcp.save", "dcp.async_save"]
@@ -40,19 +44,26 @@ ORDER = ["disk O_DIRECT", "tierstate", "tierstate (io: buffered)", "disk buffere
          "torch.save", "dcp.save", "dcp.async_save"]
 
 
+def _settings(name: str, nbytes: int) -> dict[str, Any]:
+    """tierstate's settings for method ``name`` (the other methods ignore them)."""
+    if name == "tierstate (16 MiB chunks)":
+        return {"cache_bytes": cache_for(nbytes, 16 * MiB), "chunk_bytes": 16 * MiB}
+    if name == "tierstate (one thread)":
+        return {"cache_bytes": cache_for(nbytes), "overrides": ONE_THREAD}
+    return {"cache_bytes": cache_for(nbytes), "io": "buffered" if "buffered" in name else "auto"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser("durable", __doc__, preset="full", repeats=5, methods=METHODS, tag=True).parse_args(argv)
     facts = start_run()
     state = build_gpt(args.preset)
     nbytes = state.tensor_bytes
-    cache = cache_for(nbytes)
     methods = args.methods.split(",")
     seconds: dict[str, list[float]] = {name: [] for name in DISK + methods}
     stored: dict[str, int] = {}
     with (
         bench_root("durable") as root,
-        closing_all({name: make_checkpointer(name, state, root, cache_bytes=cache,
-                                             io="buffered" if "buffered" in name else "auto")
+        closing_all({name: make_checkpointer(name, state, root, **_settings(name, nbytes))
                      for name in methods}) as ckpts,
     ):
         warm_up(ckpts.values())

@@ -5,17 +5,20 @@ threads keep it from running Python. Here a tiny MLP trains on the CPU with one 
 of ~200 us, mostly interpreter and dispatch), while a checkpoint of a separate ``--size`` state
 (``TensorDictProvider`` declared ``changes="never"``, so capture is lazy, in the background) runs.
 Each run trains ``--warm-steps`` steps alone, then requests the checkpoint and keeps training until
-it is durable. Inflation = mean step time while the checkpoint runs / mean step time of the same
-run's steps before it, minus one (a mean, not a median: GIL stalls are a few long steps); since the
-methods' windows differ (a buffered write's fsync waits seconds), also the trainer seconds lost per
-checkpoint = the window's step times minus as many steps at the mean time alone. Methods,
-interleaved over ``--repeats`` rounds:
+it is durable, then trains ``--warm-steps`` / 2 steps alone again. Inflation = mean step time while
+the checkpoint runs / mean step time alone, minus one (a mean, not a median: GIL stalls are a few
+long steps), where "alone" is the second half of the steps before and the steps after, so that a
+drift of the machine's speed during the run cancels out; since the methods' windows differ (a
+buffered write's fsync waits seconds), also the trainer seconds lost per checkpoint = the window's
+step times minus as many steps at the mean time alone. Methods, interleaved over ``--repeats`` rounds:
 
 * ``tierstate``: the runner (capture into its host cache, xxh3, O_DIRECT persist, commit),
 * ``tierstate-1worker``: the same with one capture and one persist worker: at most two busy pipeline
   threads, so on a 2-core machine one core stays free for the trainer,
-* ``tierstate-64MiB``: the default pipeline with 64 MiB chunks instead of 16: a quarter of the
-  hand-overs between stage threads (what each costs the trainer is the difference),
+* ``tierstate-16MiB``: the default pipeline with 16 MiB chunks (the default until issue 16) instead of
+  64: four times the hand-overs between stage threads (what each costs the trainer is the difference),
+* ``tierstate-1thread``: one capture worker and ``workers: 0`` for every later stage (pipeline/lanes.py):
+  the thread that copies a chunk also checksums and writes it, as the floor's one thread does,
 * ``floor-thread``: the copy floor, one plain Python thread: memcpy of the state into reused buffers,
   buffered write to one file, fsync (all of it in calls that release the GIL),
 * ``floor-direct-thread``: the same, written with O_DIRECT as tierstate writes (no page-cache copy),
@@ -55,12 +58,13 @@ from harness.paths import bench_root
 from harness.report import Report, progress, publish
 from harness.stats import interleave, median
 from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
-from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
+from harness.tierstate_checkpointer import ONE_THREAD, TierstateCheckpointer, cache_for
 from harness.units import MiB, fmt_bytes, parse_size
 
 FLOOR_THREADS = ("floor-thread", "floor-direct-thread", "floor-hash-thread")
 METHODS = [
-    "tierstate", "tierstate-1worker", "tierstate-64MiB", *FLOOR_THREADS, "floor-process", "tierstate-si0.5ms"
+    "tierstate", "tierstate-1worker", "tierstate-1thread", "tierstate-16MiB", *FLOOR_THREADS, "floor-process",
+    "tierstate-si0.5ms",
 ]
 
 
@@ -113,8 +117,11 @@ class Background:
         self.one_worker = TierstateCheckpointer(
             state, root / "tierstate-1worker", cache_bytes=cache_for(state.tensor_bytes), overrides=one_worker
         )
-        self.big_chunks = TierstateCheckpointer(
-            state, root / "tierstate-64MiB", cache_bytes=cache_for(state.tensor_bytes, 64 * MiB), chunk_bytes=64 * MiB
+        self.one_thread = TierstateCheckpointer(
+            state, root / "tierstate-1thread", cache_bytes=cache_for(state.tensor_bytes), overrides=ONE_THREAD
+        )
+        self.small_chunks = TierstateCheckpointer(
+            state, root / "tierstate-16MiB", cache_bytes=cache_for(state.tensor_bytes, 16 * MiB), chunk_bytes=16 * MiB
         )
         for ckpt in self.checkpointers.values():
             ckpt.save(0)  # warm-up: the plan, first-use imports
@@ -124,7 +131,8 @@ class Background:
 
     @property
     def checkpointers(self) -> dict[str, TierstateCheckpointer]:
-        return {"tierstate": self.tierstate, "tierstate-1worker": self.one_worker, "tierstate-64MiB": self.big_chunks}
+        return {"tierstate": self.tierstate, "tierstate-1worker": self.one_worker, "tierstate-1thread": self.one_thread,
+                "tierstate-16MiB": self.small_chunks}
 
     def start(self, method: str) -> Callable[[], bool]:
         self.step += 1
@@ -162,18 +170,25 @@ class Background:
             ckpt.close()
 
 
+def _steps(trainer: TinyMLP, count: int) -> list[float]:
+    """Seconds of each of ``count`` steps."""
+    times = []
+    for _ in range(count):
+        t = time.perf_counter()
+        trainer.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps: int) -> dict[str, Any]:
-    """Steps alone, then steps while ``method`` checkpoints, until it is durable; per-step seconds of both."""
+    """Steps alone, then steps while ``method`` checkpoints, until it is durable, then steps alone
+    again; per-step seconds of the window and of the steps alone that bracket it."""
     settle()
     interval = sys.getswitchinterval()
     if method.endswith("-si0.5ms"):
         sys.setswitchinterval(0.0005)
     try:
-        alone = []
-        for _ in range(warm_steps):
-            t = time.perf_counter()
-            trainer.step()
-            alone.append(time.perf_counter() - t)
+        alone = _steps(trainer, warm_steps)
         before = cpu_by_thread()
         started = time.perf_counter()
         done = background.start(method)
@@ -184,6 +199,7 @@ def timed_run(trainer: TinyMLP, background: Background, method: str, warm_steps:
             during.append(time.perf_counter() - t)
         window = time.perf_counter() - started
         cpu = cpu_delta_by_name(before, cpu_by_thread())
+        alone = alone[warm_steps // 2 :] + _steps(trainer, warm_steps // 2)
     finally:
         sys.setswitchinterval(interval)
     if method in FLOOR_THREADS:
@@ -235,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--tensor-mb", type=int, default=16, help="MiB per tensor of the checkpointed state")
     cli.add_argument("--width", type=int, default=128, help="MLP width (step time)")
     cli.add_argument("--batch", type=int, default=16)
-    cli.add_argument("--warm-steps", type=int, default=1000, help="steps alone before each checkpoint")
+    cli.add_argument("--warm-steps", type=int, default=1000,
+                     help="steps alone before each checkpoint (and half as many after)")
     cli.add_argument("--profile", action="store_true", help="cProfile the pipeline threads of one checkpoint instead")
     args = cli.parse_args(argv)
     facts = start_run()

@@ -76,6 +76,29 @@ DEFAULT_NAME = "default"
 StageKind = Literal["capture", "serialize", "compress", "persist"]
 STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
 
+# The default chunk: each chunk is handed between pipeline threads, and each hand-over takes the GIL from
+# the trainer for a moment; 64MiB chunks slowed a Python-bound trainer 2-4x less than 16MiB and reached
+# durable sooner (larger O_DIRECT writes): benchmarks/RESULTS.md, issue 16.
+DEFAULT_CHUNK = 64 * MiB
+_SIZE = TypeAdapter(ByteSize)
+
+
+def default_chunk_size(bounds: list[int]) -> int:
+    """``chunk_size`` when the config leaves it out: DEFAULT_CHUNK, or a quarter of the smallest of
+    ``bounds`` (the host cache, the bounded tiers) where that is less, in whole MiB, at least 1MiB: the
+    cache must hold two chunks, and a bounded tier at least one checkpoint."""
+    quarter = min(bounds, default=DEFAULT_CHUNK * 4) // 4 // MiB * MiB
+    return max(MiB, min(DEFAULT_CHUNK, quarter))
+
+
+def _size_or_none(value: object) -> int | None:
+    """A size as the YAML gives it (``64MiB``, bytes), or None where invalid (reported at its own key)."""
+    try:
+        return int(_SIZE.validate_python(value))
+    except ValidationError:
+        return None
+
+
 def _at_least(minimum: int) -> AfterValidator:
     """A size lower bound whose message is in human units (``1.0MiB``), not raw byte counts."""
 
@@ -161,7 +184,8 @@ class StageBase(_Strict):
     """Fields every stage has: its worker thread count, the bound of its input queue, its successor."""
 
     kind: StageKind
-    workers: Annotated[StrictInt, Field(ge=1)] = 1
+    # 0: no threads of its own; the threads of the stage before it run it too (pipeline/lanes.py).
+    workers: Annotated[StrictInt, Field(ge=0)] = 1
     queue: Annotated[StrictInt, Field(ge=1)] = 4
     next: str | None = None
 
@@ -272,7 +296,8 @@ class PipelineConfig(_Strict):
     """The whole validated spec; a valid instance always has a well-formed stage chain."""
 
     version: StrictInt = 1
-    chunk_size: Annotated[ByteSize, _at_least(MiB)] = ByteSize(16 * MiB)
+    # Left out: default_chunk_size() of the host cache and the bounded tiers (_default_chunk_size).
+    chunk_size: Annotated[ByteSize, _at_least(MiB)] = ByteSize(DEFAULT_CHUNK)
     align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
     host_cache: HostCacheConfig = HostCacheConfig()
     tiers: Tiers
@@ -306,6 +331,21 @@ class PipelineConfig(_Strict):
             for name, stage in stages.items()
         }
         return {**data, "pipeline": {**pipeline, "stages": filled}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_chunk_size(cls, data: Any) -> Any:
+        """``chunk_size`` left out: from the sizes the config bounds (default_chunk_size), so that a
+        config with a small host cache, valid when 16MiB was the default, stays valid."""
+        if not isinstance(data, Mapping) or "chunk_size" in data:
+            return data
+        cache = data.get("host_cache")
+        bounds = [cache.get("size", HostCacheConfig().size) if isinstance(cache, Mapping) else HostCacheConfig().size]
+        tiers = data.get("tiers")
+        if isinstance(tiers, Mapping):
+            bounds += [tier["size"] for tier in tiers.values() if isinstance(tier, Mapping) and "size" in tier]
+        sizes = [size for size in map(_size_or_none, bounds) if size is not None]
+        return {**data, "chunk_size": default_chunk_size(sizes)}
 
     @field_validator("version")
     @classmethod
@@ -349,6 +389,16 @@ class PipelineConfig(_Strict):
             ordered.append((name, stages[name]))
             name = stages[name].next
         return ordered
+
+    def threads_for(self, kind: StageKind) -> int:
+        """How many threads may run the stage of ``kind`` at once: its workers, or with ``workers: 0``
+        those of the nearest stage before it that has some (pipeline/lanes.py); 0 without that stage."""
+        threads = 0
+        for _, stage in self.chain():
+            threads = stage.workers or threads
+            if stage.kind == kind:
+                return threads
+        return 0
 
     @overload
     def stage_of_kind(self, kind: Literal["persist"]) -> PersistStage | None: ...

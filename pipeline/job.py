@@ -25,7 +25,8 @@ from ..tiers.hostcache import HostCache, Slab
 from ..tiers.objcodec import ObjectCodecError, encode_object
 from .capture import SlabCopier
 from .commit import Commit, TierCommit
-from .config import CompressStage, PersistStage, PipelineConfig
+from .config import CompressStage, PersistStage, PipelineConfig, SerializeStage
+from .lanes import Lane, Step, run_lane
 from .metrics import CheckpointStats, StageStats
 from .persist import TierWriter
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint
@@ -131,60 +132,54 @@ class CheckpointJob:
         return stage
 
     async def _flow(self) -> None:
-        """Every unit through the chain, on the stages' threads (stage_threads.py)."""
+        """Every unit through the chain, on the lanes' threads (lanes.py, stage_threads.py)."""
         chain = self.ctx.config.chain()
-        # Past capture every chunk holds a host-cache slab, so the cache already bounds what is queued
-        # there; a smaller queue bound would only hold capture back behind persist (measured: 1.5 GB
-        # captured in 0.7 s instead of 0.2 s with a cache holding all of it), and capture is what
-        # the trainer waits for.
-        bounds = [stage.queue if i == 0 else max(stage.queue, self.ctx.cache.slab_count)
-                  for i, (_, stage) in enumerate(chain)]
         flow = self._flow_state = Flow()
         flow.on_stop(self.ctx.cache.wake)
-        queues = [Handoff(bound, flow) for bound in bounds]
+        work = {"capture": self._capture, "serialize": self._serialize, "compress": self._compress,
+                "persist": self._persist}
+        lanes: list[Lane] = []
+        pools: list[concurrent.futures.Executor] = []
+        for name, stage in chain:
+            stats = self.stats.stages[name] = StageStats()
+            step = Step(stats, work[stage.kind], self._passes(stage))
+            if stage.workers:  # capture always has some (config.py): the first lane starts with it
+                # Past capture every chunk holds a host-cache slab, so the cache already bounds what is
+                # queued there; a smaller bound would only hold capture back behind persist (measured:
+                # 1.5 GB captured in 0.7 s instead of 0.2 s with a cache holding all of it), and capture
+                # is what the trainer waits for.
+                bound = stage.queue if not lanes else max(stage.queue, self.ctx.cache.slab_count)
+                stats.queue_bound = bound
+                lanes.append(Lane([step], stage.workers, Handoff(bound, flow)))
+                pools.append(self.ctx.io if stage.kind == "persist" else self.ctx.compute)
+            else:
+                lanes[-1].steps.append(step)
         units: list[object] = [ObjectBatch(self.plan.objects)] if self.plan.objects else []
         units += self.plan.chunks  # objects first: their (small) serialization overlaps the tensor copies
         calls: list[tuple[concurrent.futures.Executor, Callable[..., None], tuple]] = [
-            (self.ctx.compute, self._feed, (units, queues[0]))
+            (self.ctx.compute, self._feed, (units, lanes[0].inbox))
         ]
-        workers = {"capture": self._capture, "serialize": self._serialize, "compress": self._compress}
-        for i, (name, stage) in enumerate(chain):
-            self.stats.stages[name] = StageStats(queue_bound=bounds[i])
-            fn = self._persist if stage.kind == "persist" else workers[stage.kind]
-            pool = self.ctx.io if stage.kind == "persist" else self.ctx.compute
-            out = queues[i + 1] if i + 1 < len(queues) else None
-            left = [stage.workers]  # the last of them to finish closes ``out``
-            calls += [(pool, self._stage, (name, fn, queues[i], out, left))] * stage.workers
+        for i, (lane, pool) in enumerate(zip(lanes, pools, strict=True)):
+            left = [lane.workers]  # the last of them to finish closes the next lane's queue
+            calls += [(pool, run_lane, (lanes, i, self._lock, left))] * lane.workers
         try:
             await run_workers(flow, calls)
         finally:
-            for (name, _), queue in zip(chain, queues, strict=True):
-                self.stats.stages[name].queued(queue.peak)
+            for lane in lanes:
+                lane.steps[0].stats.queued(lane.inbox.peak)
 
     def _feed(self, units: list[object], queue: Handoff) -> None:
         for unit in units:
             queue.put(unit)
         queue.close()
 
-    def _stage(
-        self, name: str, fn: Callable[[object], object], inbox: Handoff, outbox: Handoff | None, left: list[int]
-    ) -> None:
-        """One worker of stage ``name``: ``fn`` over units from ``inbox`` until it is closed and empty."""
-        stage = self.stats.stages[name]
-        while (unit := inbox.get()) is not None:
-            started = time.monotonic()
-            result = fn(unit)
-            out = unit if result is None else result  # persist puts out what it was given
-            nbytes = len(out.payload) if isinstance(out, Chunk) else 0
-            with self._lock:
-                stage.unit_done(started, time.monotonic(), nbytes)
-            if outbox is not None:
-                outbox.put(result)
-        with self._lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last and outbox is not None:
-            outbox.close()
+    def _passes(self, stage: object) -> Callable[[object], bool]:
+        """Whether ``stage`` has nothing to do on a unit, which then goes past it (lanes.py)."""
+        if isinstance(stage, SerializeStage):
+            return lambda unit: isinstance(unit, Chunk)  # tensor bytes are already their serialized form
+        if isinstance(stage, CompressStage):
+            return lambda unit: stage.codec == "none" or (isinstance(unit, Chunk) and not len(unit.raw))
+        return lambda _: False
 
     def _release(self, slab: Slab) -> None:
         with self._lock:
@@ -216,13 +211,9 @@ class CheckpointJob:
             self._captured()
         return chunk
 
-    def _serialize(self, unit: object) -> Chunk:
-        if isinstance(unit, Chunk):
-            return unit  # tensor bytes are already their serialized form; metadata goes to the manifest
-        assert isinstance(unit, ObjectBatch)
-        return self._encode_objects(unit)
-
-    def _encode_objects(self, batch: ObjectBatch) -> Chunk:
+    def _serialize(self, batch: object) -> Chunk:
+        """Python objects into one chunk (tensor chunks go past this stage: ``_passes``)."""
+        assert isinstance(batch, ObjectBatch)
         allow = self.ctx.config.policies.allow_pickle
         parts, entries, offset = [], [], 0
         for item in batch.objects:
@@ -238,8 +229,7 @@ class CheckpointJob:
     def _compress(self, chunk: object) -> Chunk:
         assert isinstance(chunk, Chunk)  # serialize hands on only chunks
         stage = self.ctx.config.stage_of_kind("compress")
-        if not isinstance(stage, CompressStage) or stage.codec == "none" or not len(chunk.raw):
-            return chunk
+        assert isinstance(stage, CompressStage) and stage.codec != "none"  # otherwise it passes chunks on
         width = chunk.element_size if stage.shuffle == "auto" else 1
         cache = self.ctx.cache
         if chunk.slab is not None and cache.scratch_count:

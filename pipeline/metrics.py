@@ -39,6 +39,7 @@ class StageStats:
     busy_s: float = 0.0
     queue_peak: int = 0
     queue_bound: int = 0
+    passed_units: int = 0  # of ``units``, those it handed on untouched, never queued for its workers
     _span: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -54,12 +55,19 @@ class StageStats:
         self.bytes += nbytes
         self.busy_s += ended - started
 
+    def passed(self, nbytes: int) -> None:
+        """A unit of ``nbytes`` went past this stage, which had nothing to do on it (job.py ``_passes``)."""
+        self.units += 1
+        self.passed_units += 1
+        self.bytes += nbytes
+
     def queued(self, size: int) -> None:
         self.queue_peak = max(self.queue_peak, size)
 
     def merge(self, other: StageStats) -> None:
         """Add ``other`` (the same stage of another checkpoint) into this running total."""
         self.units += other.units
+        self.passed_units += other.passed_units
         self.bytes += other.bytes
         self.seconds += other.seconds
         self.busy_s += other.busy_s
@@ -69,6 +77,7 @@ class StageStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "units": self.units,
+            "passed_units": self.passed_units,
             "bytes": self.bytes,
             "seconds": round(self.seconds, 6),
             "busy_s": round(self.busy_s, 6),

@@ -2,8 +2,9 @@
 
 The writers in tiers (:mod:`tiers.rankwriter` over :mod:`tiers.container`) only block and raise
 OSError. This is the one place where the pipeline calls them, so whichever format the YAML picks
-(``persist.format``), the same rules hold: every call runs in the I/O pool (chunk writes on the
-persist workers' threads there, stage_threads.py); a chunk write or the index that fails with a
+(``persist.format``), the same rules hold: every call runs in the I/O pool, except chunk writes, which
+run on the threads of the lane that ends with persist (its own workers there, or with ``workers: 0``
+the threads of the stage before it: lanes.py); a chunk write or the index that fails with a
 transient error is retried under ``persist.retries`` and ``backoff``; the data fsync is never
 retried (:mod:`pipeline.retry` says why); every OSError becomes a TierError that names the tier and
 the file; the write rate stays under ``persist.bandwidth``.

@@ -117,7 +117,7 @@ class Runner:
             pinned = torch.cuda.is_available()
         slab = max(4096, config.chunk_size // 4096 * 4096)
         compress = config.stage_of_kind("compress")
-        scratch = compress.workers if compress is not None and compress.codec != "none" else 0
+        scratch = config.threads_for("compress") if compress is not None and compress.codec != "none" else 0
         self.cache = HostCache(config.host_cache.size, slab, pinned=bool(pinned), scratch=scratch)
         # A checkpoint's stage workers hold their threads for its whole flow (stage_threads.py): one each,
         # and one for the feeder; only one checkpoint flows at a time.

@@ -140,9 +140,11 @@ def damage(workdir: Path, rank: int) -> dict[str, Any]:
     """n1 is replaced (its NVMe empty), and the copy of n1's part that n0 keeps has a flipped byte."""
     nvme = FilesystemTier("nvme", workdir / "nodes" / f"n{rank}" / "nvme", "node")
     if rank == 0:
-        data = kept_for(nvme, "n1").step_dir(4) / "rank-00001.data"
+        kept = kept_for(nvme, "n1")
+        data = kept.step_dir(4) / "rank-00001.data"
+        frame = kept.manifest(4).files["rank-00001.data"].frames[0]
         raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
+        raw[frame.offset + frame.length // 2] ^= 0xFF  # inside a frame: the padding between frames is no data
         data.write_bytes(bytes(raw))
     else:
         shutil.rmtree(nvme.root)

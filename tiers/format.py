@@ -193,6 +193,7 @@ class StageStatsRecord(_Strict):
     gbps: Measure
     queue_peak: NonNegative
     queue_bound: NonNegative
+    passed_units: NonNegative = 0  # of ``units``, those handed past it untouched (none before this field)
 
 
 class RankStatsRecord(_Strict):

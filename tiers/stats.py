@@ -2,9 +2,10 @@
 
 The runner records, per rank, what writing its part cost (pipeline/metrics.py) in the manifest's
 ``stats`` just before the commit: bytes, seconds from the request to capture and to the files
-fsynced, the trainer's blocked time, the wait for host-cache slabs, and per stage its units, bytes,
-wall and busy seconds, GB/s and queue peak. This prints it, long after the run, from the files
-alone. A checkpoint written before stats were recorded has none, which is said, not an error.
+fsynced, the trainer's blocked time, the wait for host-cache slabs, and per stage its units (and how
+many of them it passed on with nothing to do), bytes, wall and busy seconds, GB/s and queue peak.
+This prints it, long after the run, from the files alone. A checkpoint written before stats were
+recorded has none, which is said, not an error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from .format import Manifest, RankStatsRecord, read_manifest
 
-_COLUMNS = ("stage", "units", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
+_COLUMNS = ("stage", "units", "passed", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
 
 
 def stats_document(manifest: Manifest) -> dict[str, Any]:
@@ -49,8 +50,8 @@ def _rank_lines(rank: int, record: RankStatsRecord) -> list[str]:
         "for host-cache slabs",
     ]
     rows = [
-        (s.name, str(s.units), f"{s.bytes:,}", f"{s.seconds:.3f}", f"{s.busy_s:.3f}", f"{s.gbps:.2f}",
-         f"{s.queue_peak}/{s.queue_bound}")
+        (s.name, str(s.units), str(s.passed_units), f"{s.bytes:,}", f"{s.seconds:.3f}", f"{s.busy_s:.3f}",
+         f"{s.gbps:.2f}", f"{s.queue_peak}/{s.queue_bound}")
         for s in record.stages
     ]  # fmt: skip
     return summary + ["  " + line for line in _columns(rows)]

@@ -14,8 +14,13 @@ from .checkpointer import Checkpointer, Record
 from .paths import DEFAULT_YAML
 from .units import GiB, MiB
 
+# One thread per chunk from copy to write: one capture worker, and no threads of their own for the
+# stages after it (workers: 0, pipeline/lanes.py).
+ONE_THREAD = {"pipeline.stages.capture.workers": 1, "pipeline.stages.serialize.workers": 0,
+              "pipeline.stages.compress.workers": 0, "pipeline.stages.persist.workers": 0}
 
-def cache_for(state_bytes: int, chunk: int = 16 * MiB) -> int:
+
+def cache_for(state_bytes: int, chunk: int = 64 * MiB) -> int:
     """A host cache that holds the whole state (+6% and 8 chunks for the tails of tensors split across
     chunks), so capture never waits for persist: the setting the blocked-time benchmarks use."""
     return (int(state_bytes * 1.06) // chunk + 8) * chunk
@@ -35,7 +40,7 @@ class TierstateCheckpointer(Checkpointer):
         state: Any,
         root: Path,
         cache_bytes: int,
-        chunk_bytes: int = 16 * MiB,
+        chunk_bytes: int = 64 * MiB,
         codec: str = "none",
         level: int = 1,
         bandwidth: int | None = None,

@@ -228,17 +228,19 @@ class Payload:
 
 
 def _plant(path: Path, payload: bytes) -> None:
-    """Replace the bytes of object item ``meta/value`` (alone in frame 0) with ``payload``, re-signed:
+    """Replace the bytes of object item ``meta/value`` (alone in its frame) with ``payload``, re-signed:
     what someone with write access to the tier could do, checksums and all."""
     doc = _doc(path)
     item = doc["manifest"]["items"]["meta/value"]
-    frame = doc["manifest"]["files"][DATA]["frames"][item["pieces"][0]["frame"]]
-    assert frame["offset"] == 0 and len(payload) <= 4096  # fits before the next aligned frame
+    record = doc["manifest"]["files"][DATA]
+    frame = record["frames"][item["pieces"][0]["frame"]]
+    later = [other["offset"] for other in record["frames"] if other["offset"] > frame["offset"]]
+    assert not later or frame["offset"] + len(payload) <= min(later)  # fits before the next frame
     with open(path / DATA, "r+b") as data:
+        data.seek(frame["offset"])
         data.write(payload)
     frame.update(length=len(payload), raw_length=len(payload), checksum=checksum(payload))
-    record = doc["manifest"]["files"][DATA]
-    record["size"] = max(record["size"], len(payload))
+    record["size"] = max(record["size"], frame["offset"] + len(payload))
     item["length"] = item["pieces"][0]["length"] = len(payload)
     (path / MANIFEST_NAME).write_bytes(_signed(doc))
 

@@ -82,12 +82,14 @@ def problems_of(tmp_path: Path, data: dict[str, Any] | str, **kwargs: Any) -> li
 # --- loading valid configs ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "codec"), [("default.yaml", "none"), ("compressed.yaml", "zstd")])
-def test_shipped_configs_load(name: str, codec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("name", "codec", "chunk"), [("default.yaml", "none", 64), ("compressed.yaml", "zstd", 16)])
+def test_shipped_configs_load(
+    name: str, codec: str, chunk: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     cfg = load_config(CONFIGS / name)
     assert [stage_name for stage_name, _ in cfg.chain()] == ["capture", "serialize", "compress", "persist"]
-    assert cfg.chunk_size == 16 * MiB
+    assert cfg.chunk_size == chunk * MiB
     assert cfg.align == 4096
     assert cfg.host_cache.size == 256 * MiB
     assert cfg.host_cache.pinned == "auto"
@@ -169,12 +171,34 @@ def test_runner_from_dict_and_from_yaml_by_name(tmp_path: Path, monkeypatch: pyt
 
 def test_defaults_and_kind_from_stage_name(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, MINIMAL))
-    assert cfg.chunk_size == 16 * MiB and cfg.align == 4096 and cfg.host_cache.size == 256 * MiB
+    assert cfg.chunk_size == 64 * MiB and cfg.align == 4096 and cfg.host_cache.size == 256 * MiB
     assert [stage.kind for _, stage in cfg.chain()] == ["capture", "serialize", "compress", "persist"]
     capture = cfg.stage_of_kind("capture")
     assert capture is not None and (capture.workers, capture.queue) == (capture_workers_for_host(), 4)
     compress = cfg.stage_of_kind("compress")
     assert isinstance(compress, CompressStage) and compress.codec == "zstd"
+
+
+def test_chunk_size_left_out_fits_the_host_cache_and_the_bounded_tiers(tmp_path: Path) -> None:
+    """64MiB by default, but a config that was valid with the old 16MiB default (a 64MiB host cache)
+    stays valid: a quarter of the smallest bound, in whole MiB, at least 1MiB. A chunk_size given is
+    kept, and checked against the same bounds."""
+    nvme = {"nvme": {"path": str(tmp_path / "nvme")}}
+    memory = {"memory": {"kind": "memory", "path": str(tmp_path / "m"), "size": "40MiB", "retention": {"keep_last": 1}}}
+    cases = [
+        ({"tiers": nvme}, 64 * MiB),
+        ({"tiers": nvme, "host_cache": {"size": "64MiB"}}, 16 * MiB),
+        ({"tiers": nvme, "host_cache": {"size": 6 * MiB}}, MiB),
+        ({"tiers": {**nvme, **memory}, "host_cache": {"size": "1GiB"}}, 10 * MiB),
+        ({"tiers": nvme, "host_cache": {"size": "64MiB"}, "chunk_size": "32MiB"}, 32 * MiB),
+    ]
+    assert [parse_config(data).chunk_size for data, _ in cases] == [chunk for _, chunk in cases]
+    small = {"memory": {**memory["memory"], "size": "4MiB"}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"tiers": small, "chunk_size": "16MiB"}, source="my.yaml")
+    assert "my.yaml: tiers.memory.size: 4.0MiB is smaller than chunk_size (16.0MiB)" in str(caught.value)
+    with pytest.raises(ConfigError, match="host_cache.size: must be a size"):  # reported at its key, not here
+        parse_config({"tiers": nvme, "host_cache": {"size": "lots"}})
 
 
 def test_capture_workers_auto_leaves_the_trainer_a_core(tmp_path: Path) -> None:
@@ -305,8 +329,10 @@ def test_stage_that_is_not_a_mapping(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("changes", "expected"), [
     ({"pipeline__stages__compress__level": 99},
      "pipeline.stages.compress.level: must be less than or equal to 22, got 99 (integer)"),
-    ({"pipeline__stages__serialize__workers": 0},
-     "pipeline.stages.serialize.workers: must be greater than or equal to 1, got 0 (integer)"),
+    ({"pipeline__stages__serialize__workers": -1},
+     "pipeline.stages.serialize.workers: must be greater than or equal to 0, got -1 (integer)"),
+    ({"pipeline__stages__capture__workers": 0},  # the first stage: no stage before it to run it
+     "pipeline.stages.capture.workers: must be greater than or equal to 1, got 0 (integer)"),
     ({"chunk_size": "512KiB"}, "chunk_size: must be at least 1.0MiB, got 512.0KiB"),
     ({"align": 1000}, "align: must be a power of two between 512 and 1048576 (1MiB), got 1000"),
     ({"align": 256}, "align: must be a power of two between 512 and 1048576 (1MiB), got 256"),

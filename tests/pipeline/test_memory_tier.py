@@ -68,8 +68,6 @@ def state(mib: int) -> dict[str, torch.Tensor]:
          "tiers.memory.scope: a memory tier is each node's own host memory"),
         ({"kind": "memory", "size": "1GiB"},
          "tiers.memory.retention: a tier with a size bound (1.0GiB) needs a retention"),
-        ({"kind": "memory", "size": "4MiB", "retention": {"keep_last": 1}},
-         "tiers.memory.size: 4.0MiB is smaller than chunk_size (16.0MiB)"),
         ({"kind": "ram", "size": "1GiB"}, "tiers.memory.kind:"),
     ],
 )  # fmt: skip

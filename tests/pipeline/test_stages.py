@@ -20,6 +20,7 @@ import torch
 from tierstate.pipeline.capture import SlabCopier
 from tierstate.pipeline.config import parse_config
 from tierstate.pipeline.job import CheckpointJob, JobContext
+from tierstate.pipeline.lanes import Lane, Step, run_lane
 from tierstate.pipeline.metrics import CheckpointStats, StageStats
 from tierstate.pipeline.plan import ChunkPlan, plan_checkpoint
 from tierstate.pipeline.stage_threads import Flow, Handoff, Stopped, run_workers
@@ -73,6 +74,15 @@ def _filled(flow: Flow, units: list) -> Handoff:
     return queue
 
 
+def _keep(unit: object) -> object:
+    return unit
+
+
+def _lane(stats: StageStats, work, inbox: Handoff) -> Lane:
+    """One worker's lane running ``work`` on every unit (``_keep``: a lane the test only reads from)."""
+    return Lane([Step(stats, work, lambda unit: False)], 1, inbox)
+
+
 def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_path, pools):
     tensors = [torch.arange(MiB // 4, dtype=torch.float32) + i for i in range(3)]
     job, cache = _job(tmp_path, pools, [TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
@@ -80,7 +90,8 @@ def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_path, poo
     flow = job._flow_state
     inbox, outbox = _filled(flow, job.plan.chunks), Handoff(8, flow)
     job.stats.stages["capture"] = StageStats()
-    worker = _thread(job._stage, "capture", job._capture, inbox, outbox, [1])
+    lanes = [_lane(job.stats.stages["capture"], job._capture, inbox), _lane(StageStats(), _keep, outbox)]
+    worker = _thread(run_lane, lanes, 0, job._lock, [1])
 
     first, second = outbox.get(), outbox.get()
     # The worker went straight on to the third chunk and is now waiting for a slab: nothing more comes out.
@@ -101,15 +112,17 @@ def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on(tmp_path, poo
     tensor_chunk = Chunk(entries=[], raw=memoryview(b"raw tensor bytes"))
     flow = job._flow_state
     inbox, outbox = _filled(flow, [ObjectBatch(job.plan.objects), tensor_chunk]), Handoff(8, flow)
-    job.stats.stages["serialize"] = StageStats()
-    left = [2]
-    for worker in [_thread(job._stage, "serialize", job._serialize, inbox, outbox, left) for _ in range(2)]:
+    stats = StageStats()
+    serialize = Lane([Step(stats, job._serialize, job._passes(job.ctx.config.pipeline.stages["serialize"]))], 2, inbox)
+    lanes, left = [serialize, _lane(StageStats(), _keep, outbox)], [2]
+    for worker in [_thread(run_lane, lanes, 0, job._lock, left) for _ in range(2)]:
         worker.join(30)
 
     out = []
     while (unit := outbox.get()) is not None:  # closed once, by the last of the two workers
         out.append(unit)
     assert tensor_chunk in out and len(out) == 2 and left == [0]
+    assert (stats.units, stats.passed_units) == (2, 1)  # the tensor chunk went past, never encoded
     [objects] = [unit for unit in out if unit is not tensor_chunk]
     decoded = {e.key: bytes(objects.raw[e.chunk_offset : e.chunk_offset + e.length]) for e in objects.entries}
     assert decode_object(decoded["meta"], "msgpack") == {"epoch": 2}
