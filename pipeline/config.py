@@ -77,8 +77,8 @@ StageKind = Literal["capture", "serialize", "compress", "persist"]
 STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
 
 # The default chunk: each chunk is handed between pipeline threads, and each hand-over takes the GIL from
-# the trainer for a moment; 64MiB chunks slowed a Python-bound trainer 2-4x less than 16MiB and reached
-# durable sooner (larger O_DIRECT writes): benchmarks/RESULTS.md, issue 16.
+# the trainer for a moment; 64MiB chunks cost a Python-bound trainer 1.6-2x less step time than 16MiB,
+# durable and cold restore as fast or faster, warm restore 1.6x faster: benchmarks/RESULTS.md, issue 16.
 DEFAULT_CHUNK = 64 * MiB
 _SIZE = TypeAdapter(ByteSize)
 

@@ -38,9 +38,11 @@ def _flip_bit_in_frame(directory: Path) -> str:
 
 
 def _truncate_data(directory: Path) -> str:
+    """The file cut in the middle of the frame that ends it (whichever that is: small frames too)."""
     frames = read_manifest(directory).files[DATA].frames
-    os.truncate(directory / DATA, frames[-1].offset + 10)
-    return f"{DATA} frame {len(frames) - 1}: truncated"
+    last = max(range(len(frames)), key=lambda i: frames[i].offset)
+    os.truncate(directory / DATA, frames[last].offset + frames[last].length // 2)
+    return f"{DATA} frame {last}: truncated"
 
 
 def _delete_data(directory: Path) -> str:

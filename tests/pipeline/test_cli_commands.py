@@ -189,9 +189,9 @@ def test_a_copy_verify_found_damaged_stays_damaged_until_verified_clean(nvme, ca
 
     def flip() -> None:
         with open(data, "r+b") as handle:
-            handle.seek(frame.offset + 17)
+            handle.seek(frame.offset + frame.length // 2)
             byte = handle.read(1)
-            handle.seek(frame.offset + 17)
+            handle.seek(frame.offset + frame.length // 2)
             handle.write(bytes([byte[0] ^ 0x01]))
 
     def states() -> dict[str, str]:

@@ -102,9 +102,9 @@ def test_resume_recopies_a_frame_damaged_in_the_partial_copy(tiers, tmp_path):
     data = pfs.partial_dir(4) / "rank-00000.data"
     frame = nvme.manifest(4).files["rank-00000.data"].frames[1]
     with open(data, "r+b") as handle:
-        handle.seek(frame.offset + 100)
+        handle.seek(frame.offset + frame.length // 2)
         byte = handle.read(1)
-        handle.seek(frame.offset + 100)
+        handle.seek(frame.offset + frame.length // 2)
         handle.write(bytes([byte[0] ^ 0x40]))
     report = migrate(4, nvme, pfs)
     assert report.frames_reused == 2 and report.frames_copied == report.frames - 2
