@@ -340,7 +340,7 @@ class PipelineConfig(_Strict):
         if not isinstance(data, Mapping) or "chunk_size" in data:
             return data
         cache = data.get("host_cache")
-        bounds = [cache.get("size", HostCacheConfig().size) if isinstance(cache, Mapping) else HostCacheConfig().size]
+        bounds = [cache["size"] if isinstance(cache, Mapping) and "size" in cache else HostCacheConfig().size]
         tiers = data.get("tiers")
         if isinstance(tiers, Mapping):
             bounds += [tier["size"] for tier in tiers.values() if isinstance(tier, Mapping) and "size" in tier]

@@ -177,8 +177,10 @@ class CheckpointJob:
         """Whether ``stage`` has nothing to do on a unit, which then goes past it (lanes.py)."""
         if isinstance(stage, SerializeStage):
             return lambda unit: isinstance(unit, Chunk)  # tensor bytes are already their serialized form
+        if isinstance(stage, CompressStage) and stage.codec == "none":
+            return lambda _: True
         if isinstance(stage, CompressStage):
-            return lambda unit: stage.codec == "none" or (isinstance(unit, Chunk) and not len(unit.raw))
+            return lambda unit: isinstance(unit, Chunk) and not len(unit.raw)  # nothing to compress
         return lambda _: False
 
     def _release(self, slab: Slab) -> None:

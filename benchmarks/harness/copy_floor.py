@@ -58,7 +58,11 @@ def host_buffers(sources: list[torch.Tensor]) -> list[np.ndarray]:
 def memcpy_all(sources: list[torch.Tensor], buffers: list[np.ndarray]) -> None:
     """The bare memcpy of the state: one ``np.copyto`` per tensor (one thread, GIL released)."""
     for src, dst in zip(sources, buffers, strict=True):
-        np.copyto(dst, src.detach().reshape(-1).view(torch.uint8).numpy())
+        _memcpy(src, dst)
+
+
+def _memcpy(src: torch.Tensor, dst: np.ndarray) -> None:
+    np.copyto(dst, src.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def copy_write_fsync(
@@ -78,24 +82,31 @@ def copy_hash_then_write_overlapped(sources: list[torch.Tensor], buffers: list[n
     copies and checksums each buffer and hands it to a second plain thread, which writes it while the
     next one is copied. What overlapping copy and write costs, without any of tierstate's own code."""
     handed: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=2)
+    failed: list[OSError] = []  # the writer's error, raised here; it keeps taking buffers so put() never hangs
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
 
     def writer() -> None:
         offset = 0
         while (buffer := handed.get()) is not None:
-            offset += os.pwrite(fd, memoryview(buffer), offset)
+            if not failed:
+                try:
+                    offset += os.pwrite(fd, memoryview(buffer), offset)
+                except OSError as exc:
+                    failed.append(exc)
 
     thread = threading.Thread(target=writer, name="floor-writer")
     thread.start()
     try:
         for src, dst in zip(sources, buffers, strict=True):
-            np.copyto(dst, src.detach().reshape(-1).view(torch.uint8).numpy())
+            _memcpy(src, dst)
             xxhash.xxh3_64_hexdigest(dst)
             handed.put(dst)
     finally:
         handed.put(None)
         thread.join()
     try:
+        if failed:
+            raise failed[0]
         os.fsync(fd)
     finally:
         os.close(fd)
