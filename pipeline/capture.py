@@ -52,7 +52,8 @@ class SlabCopier:
         """Copy every piece of ``plan`` into ``slab``; returns when the bytes are in host memory.
 
         ``sources``: where the items copied in batches on the trainer's thread have their bytes (plan_cache.py).
-        ``hash_raw``: checksum the chunk now (False when compression will store other bytes anyway).
+        ``hash_raw``: checksum the chunk now (False when compression will store other bytes anyway); a
+        chunk holding a GPU's bytes is never checksummed here (see below), persist does it.
         """
         where = sources.where if sources is not None else {}
         program = plan.program

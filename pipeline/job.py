@@ -83,7 +83,8 @@ class CheckpointJob:
         self._started = time.monotonic()
         self._writer: TierWriter | None = None
         compress = ctx.config.stage_of_kind("compress")
-        # Capture checksums each chunk while it is hot in the cache, unless compression stores other bytes.
+        # Capture checksums each host chunk while it is hot in the cache, unless compression stores other
+        # bytes (a GPU's chunks are checksummed by persist: capture.py says why).
         self._hash_raw = not isinstance(compress, CompressStage) or compress.codec == "none"
 
     async def run(self) -> Path:

@@ -48,8 +48,9 @@ class Chunk:
     shuffle: ShuffleWidth = 1
     element_size: int = 1  # the byte-shuffle width that suits this chunk's dtypes
     stored: memoryview | bytes | None = None  # the compressed form of ``raw``, if compression shrank it
-    # The checksum of ``raw`` (tiers.format.checksum), taken by whoever filled it (capture): the writer
-    # stores it as is, so bytes changed in between fail verification instead of being hashed anew.
+    # The checksum of ``raw`` (tiers.format.checksum), taken by whoever filled it (capture, for host
+    # bytes): the writer stores it as is, so bytes changed in between fail verification instead of
+    # being hashed anew. None: the writer hashes the bytes it writes.
     raw_checksum: str | None = None
 
     @property
