@@ -20,8 +20,9 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site
 fi
 # The checkout's tierstate, laid out as installed (pipeline/, providers/, tiers/ are its subpackages).
-for p in pipeline providers tiers; do ln -sfn "../$p" "tierstate/$p"; done
-trap 'rm -f tierstate/pipeline tierstate/providers tierstate/tiers' EXIT
+for p in pipeline providers tiers; do ln -sfn "../../$p" "src/tierstate/$p"; done
+trap 'rm -f src/tierstate/pipeline src/tierstate/providers src/tierstate/tiers' EXIT
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # the facade's folder: tierstate is src/tierstate
 
 {
     echo "== machine"; nproc; free -g; df -h . /dev/shm; uptime; nvidia-smi -L

@@ -58,15 +58,27 @@ def _embedding_example() -> str:
     return re.search(r"```python\n(.*?)```", section, flags=re.DOTALL).group(1)
 
 
-@pytest.mark.slow
-def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unrelated_directory(tmp_path: Path):
-    dist, site, work = tmp_path / "dist", tmp_path / "site", tmp_path / "work"
-    work.mkdir()
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this checkout, built once for the tests of this module."""
+    dist = tmp_path_factory.mktemp("dist")
     # Built in isolation, as pip builds for users: with the setuptools pyproject.toml asks for, not the venv's.
-    subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)],
+    subprocess.run([*PIP, "wheel", "--quiet", "--no-deps", "-w", str(dist), str(REPO)],
                    check=True, capture_output=True, timeout=600)  # fmt: skip
-    [wheel] = dist.glob("tierstate-*.whl")
+    [built] = dist.glob("tierstate-*.whl")
+    return built
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unrelated_directory(
+    tmp_path: Path, wheel: Path
+) -> None:
+    site, work = tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    pip = PIP
     names = zipfile.ZipFile(wheel).namelist()
     assert {f"tierstate/configs/{name}.yaml" for name in ("default", "tiered", "compressed", "cluster")} <= set(names)
     assert {"tierstate/py.typed", f"tierstate-{tierstate.__version__}.dist-info/licenses/LICENSE"} <= set(names)
@@ -96,10 +108,48 @@ def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unr
     assert (work / "default.yaml").read_text() == (REPO / "configs" / "default.yaml").read_text()
 
 
+@pytest.mark.slow
+def test_the_wheel_in_a_fresh_venv_imports_with_the_repository_root_as_working_directory(
+    tmp_path: Path, wheel: Path
+) -> None:
+    """A Python started in the checkout has the checkout's root first on ``sys.path``: no folder there
+    may shadow the installed ``tierstate`` (the facade's folder did, and ``tierstate.pipeline`` was missing)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([*PIP, "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    [site] = (venv / "lib").glob("python3*/site-packages")
+    # The dependencies (torch, pydantic, ...) as this interpreter has them; a path listed in a .pth file
+    # comes after the venv's own site-packages, and its own .pth files (an editable install's) are not run.
+    import pydantic
+    import torch
+
+    (site / "deps.pth").write_text("".join(f"{Path(m.__file__).parents[1]}\n" for m in (torch, pydantic)))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}  # no PYTHONPATH
+
+    def run(*args: str) -> str:
+        done = subprocess.run([str(python), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    probe = (
+        "import tierstate, tierstate.pipeline.runner, tierstate.tiers.commands, tierstate.providers\n"
+        "print(tierstate.__file__)\nprint(tierstate.pipeline.runner.__file__)\nprint(tierstate.Runner.__name__)\n"
+    )
+    facade, runner, name = run("-c", probe).split()
+    assert Path(facade) == site / "tierstate" / "__init__.py"
+    assert Path(runner) == site / "tierstate" / "pipeline" / "runner.py"
+    assert name == "Runner"
+    assert run("-m", "tierstate", "--version") == f"tierstate {tierstate.__version__}\n"
+    (tmp_path / "nvme").mkdir()
+    assert run("-m", "tierstate", "ls", "--tier", f"nvme={tmp_path / 'nvme'}") == "no checkpoints on nvme\n"
+
+
 def test_the_facade_names_each_public_name_once_for_the_interpreter_and_for_type_checkers() -> None:
     """``_HOMES`` (where ``__getattr__`` imports a name from) and the ``TYPE_CHECKING`` imports (what type
     checkers and editors read) must say the same, and ``__all__`` must list exactly those names."""
-    tree = ast.parse((REPO / "tierstate" / "__init__.py").read_text())
+    tree = ast.parse((REPO / "src" / "tierstate" / "__init__.py").read_text())
     [block] = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
     typed = {(alias.name, node.module) for node in block.body for alias in node.names}
     homes = {(name, module) for module, names in tierstate._HOMES.items() for name in names}
