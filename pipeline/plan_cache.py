@@ -44,11 +44,9 @@ import torch
 
 from tierstate.errors import TierstateError
 
-from ..providers.composite import CompositeProvider
+from ..providers.base import Batched, DeferredListing, StateProvider
 from ..providers.dtensor import is_dtensor, storage_of
-from ..providers.items import Batched, Item, ObjectItem, TensorBatch, TensorItem
-from ..providers.optimizer import OptimizerProvider
-from ..providers.stateful import SKELETON_KEY
+from ..providers.items import Item, ObjectItem, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
 
@@ -85,10 +83,6 @@ class EagerSources:
 
     where: Mapping[str, tuple[int, int]]
     stacks: list[np.ndarray]  # each group's stack as flat bytes
-
-    def find(self, key: str) -> tuple[np.ndarray, int] | None:
-        place = self.where.get(key)
-        return None if place is None else (self.stacks[place[0]], place[1])
 
 
 @dataclass
@@ -180,13 +174,15 @@ class PlanCache:
         # described twice per checkpoint while they stay the same.
         self._refused: dict[str, TensorBatch] | None = None
 
-    def prepare(self, providers: CompositeProvider, rules: CaptureRules, defer: bool = True) -> Prepared | None:
+    def prepare(
+        self, leaves: Sequence[tuple[str, StateProvider]], rules: CaptureRules, defer: bool = True
+    ) -> Prepared | None:
         """The plan and the eager copies of this checkpoint, or None when no provider offers a batch.
 
         ``defer``: an attached optimizer's state whose outline has not moved is taken as last listed and
         listed again in the background (:class:`Resolve`); False lists everything now (the capture check
-        fingerprints every lazy tensor at the request, so it needs them all)."""
-        leaves = providers.leaves()
+        fingerprints every lazy tensor at the request, so it needs them all). ``leaves``: every registered
+        provider by its path."""
         entry = self._entry
         deferred = _deferrable(leaves, entry, rules) if defer and entry is not None and not entry.invalid else {}
         batches = _listed(leaves, deferred)
@@ -194,7 +190,7 @@ class PlanCache:
             return None
         covered = rules.covered() if entry is not None else frozenset()  # with no plan yet, refreshed below
         stacks = _stack_all(entry.groups) if entry is not None and entry.matches(batches, covered) else None
-        if stacks is None:
+        if entry is None or stacks is None:
             if deferred:  # planned afresh: from the state as it is now
                 deferred, batches = {}, _listed(leaves, {})
             covered = rules.covered(refresh=True)
@@ -203,7 +199,6 @@ class PlanCache:
             if entry is None or stacks is None:
                 self._entry, self._refused = None, batches
                 return None
-        assert entry is not None  # matched, or just built
         others = [_prefixed(path, item) for path, leaf in leaves if path not in batches for item in leaf.describe()]
         others += [_prefixed(path, item) for path, batch in batches.items() for item in batch.others]
         rest = plan_checkpoint(others, self.chunk_size)
@@ -218,7 +213,7 @@ class PlanCache:
         return Prepared(eager, copies, EagerSources(entry.where, flat), resolve)
 
     def relist(
-        self, entry: Entry, deferred: dict[str, OptimizerProvider], rules: CaptureRules, rest: CheckpointPlan
+        self, entry: Entry, deferred: dict[str, DeferredListing], rules: CaptureRules, rest: CheckpointPlan
     ) -> Entry:
         """In the background: the deferred optimizers' state listed now, and ``entry`` planned again for it if
         it holds other tensors (an optimizer that replaces its state tensors at each step); the skeletons in
@@ -256,7 +251,7 @@ class Resolve:
     cache: PlanCache
     entry: Entry
     rest: CheckpointPlan
-    deferred: dict[str, OptimizerProvider]
+    deferred: dict[str, DeferredListing]
     rules: CaptureRules
 
     def __call__(self) -> CheckpointPlan:
@@ -272,16 +267,16 @@ class Resolve:
 
 
 def _deferrable(
-    leaves: Sequence[tuple[str, object]], entry: Entry, rules: CaptureRules
-) -> dict[str, tuple[OptimizerProvider, TensorBatch]]:
+    leaves: Sequence[tuple[str, StateProvider]], entry: Entry, rules: CaptureRules
+) -> dict[str, tuple[DeferredListing, TensorBatch]]:
     """The providers of attached optimizers whose state may be taken as ``entry`` planned it, each with that
     listing and its parameter groups snapshotted now (see optimizer_batch.py)."""
     found = {}
     for path, leaf in leaves:
         if (
-            isinstance(leaf, OptimizerProvider)
+            isinstance(leaf, DeferredListing)
             and path in entry.batches
-            and any(leaf.optimizer is attached for attached in rules.optimizers)
+            and any(leaf.optimizer_to_attach() is attached for attached in rules.optimizers)
         ):
             batch = leaf.regrouped(entry.batches[path])
             if batch is not None:
@@ -290,7 +285,7 @@ def _deferrable(
 
 
 def _listed(
-    leaves: Sequence[tuple[str, object]], deferred: dict[str, tuple[OptimizerProvider, TensorBatch]]
+    leaves: Sequence[tuple[str, StateProvider]], deferred: dict[str, tuple[DeferredListing, TensorBatch]]
 ) -> dict[str, TensorBatch]:
     """Each batch provider's listing (a deferred one's as it was), those that have one."""
     batches = {}
@@ -305,7 +300,7 @@ def _listed(
 def _replanned(
     entry: Entry,
     changed: dict[str, TensorBatch | None],
-    providers: dict[str, OptimizerProvider],
+    providers: dict[str, DeferredListing],
     rules: CaptureRules,
     chunk_size: int,
 ) -> Entry:
@@ -321,15 +316,16 @@ def _replanned(
                 "state-dict hook) since this checkpoint was requested; the next checkpoint describes it afresh"
             )
         batches[path] = batch
-        for key, tensor in zip(batch.keys, batch.tensors, strict=True):
+        replicated = providers[path].replicated
+        for index, (key, tensor) in enumerate(zip(batch.keys, batch.tensors, strict=True)):
             if not isinstance(tensor, torch.Tensor) or is_dtensor(tensor) or tensor.device.type != "cpu":
                 where = f" on {tensor.device}" if isinstance(tensor, torch.Tensor) else ""
                 raise PlanChangedError(
                     f"optimizer {path!r}: state {key!r} is now a {type(tensor).__name__}{where}; "
                     "the next checkpoint plans afresh"
                 )
-            replicated = providers[path].replicated
-            items.append(TensorItem(f"{path}/{key}", tensor, replicated=replicated, changes="step"))
+            changes = batch.changes_of(index)
+            items.append(TensorItem(f"{path}/{key}", tensor, replicated=replicated, changes=changes))
     plan = _reusable_plan(items, chunk_size)
     if plan is None:
         raise PlanChangedError(
@@ -345,12 +341,13 @@ def _replanned(
     return dataclasses.replace(entry, batches=batches, covered=covered, plan=plan)  # tensors and forms: its own
 
 
-def _restate(rest: CheckpointPlan, path: str, provider: OptimizerProvider) -> None:
-    """The skeleton ``rest`` holds for ``path``, given the state part of its provider's new listing."""
-    key = f"{path}/{SKELETON_KEY}"
+def _restate(rest: CheckpointPlan, path: str, provider: DeferredListing) -> None:
+    """The objects ``rest`` holds for ``path`` (snapshotted at the request), brought up to date with its
+    provider's new listing (an optimizer's skeleton names the new keys)."""
+    prefix = f"{path}/"
     for item in rest.objects:
-        if item.key == key:
-            item.value = provider.restated(item.value)
+        if item.key.startswith(prefix):
+            item.value = provider.restated(item.key[len(prefix) :], item.value)
 
 
 def _stack_all(groups: list[EagerGroup]) -> list[torch.Tensor] | None:
@@ -369,7 +366,7 @@ def _prefixed(path: str, item: Item) -> Item:
 
 def _build(
     batches: dict[str, TensorBatch],
-    leaves: dict[str, object],
+    leaves: dict[str, StateProvider],
     rules: CaptureRules,
     covered: frozenset[int],
     chunk_size: int,
@@ -378,7 +375,7 @@ def _build(
     says, or holds a tensor off the CPU (those take the plain path)."""
     items: list[TensorItem] = []
     for path, batch in batches.items():
-        described = leaves[path].describe()  # type: ignore[attr-defined]
+        described = leaves[path].describe()
         planned = _as_described(batch, described, f"{path}/")
         if planned is None:
             return None

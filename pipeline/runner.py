@@ -32,9 +32,9 @@ import torch
 
 from tierstate.errors import TierstateError
 
+from ..providers.base import OwnsOptimizer
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..providers.optimizer import OptimizerProvider
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import MAX_BYTES
 from ..tiers.hostcache import HostCache
@@ -191,14 +191,15 @@ class Runner:
 
         An ``nn.Module``, a torch optimizer and anything with ``state_dict()``/``load_state_dict()``
         are wrapped in the provider that fits (pipeline/registration.py); a provider is taken as it
-        is. An optimizer, plain or in an :class:`OptimizerProvider`, is attached too (see ``attach``).
+        is. An optimizer, plain or in a provider that owns one (:class:`~providers.base.OwnsOptimizer`, such as
+        :class:`OptimizerProvider`), is attached too (see ``attach``).
         Nothing is registered if any value fits no provider.
         """
         providers = {name: provider_for(name, value) for name, value in state.items()}
         for name, provider in providers.items():
             self.providers.add(name, provider)
-            if isinstance(provider, OptimizerProvider):
-                self.attach(provider.optimizer)
+            if isinstance(provider, OwnsOptimizer):
+                self.attach(provider.optimizer_to_attach())
 
     def attach(self, optimizer: torch.optim.Optimizer | Any) -> None:
         """Install the step pre-hook that keeps ``optimizer`` from changing tensors not yet captured.
@@ -269,7 +270,7 @@ class Runner:
             plan: CheckpointPlan | Resolve
             try:
                 check = self.config.policies.check_capture  # fingerprints every lazy tensor now: nothing deferred
-                prepared = self._plans.prepare(self.providers, self._rules, defer=not check)
+                prepared = self._plans.prepare(self.providers.leaves(), self._rules, defer=not check)
                 if prepared is not None:  # a reused plan, eager tensors copied in batches (plan_cache.py)
                     snapshot, copies, sources = prepared.snapshot, prepared.copies, prepared.sources
                     plan, described = prepared.resolve, prepared.described  # a reused plan's are on the CPU

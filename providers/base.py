@@ -26,11 +26,14 @@ Two ways get a provider there, and :class:`~providers.composite.CompositeProvide
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Set, ValuesView
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tierstate.errors import TierstateError
 
-from .items import Item
+from .items import Item, TensorBatch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RestoreError(TierstateError):
@@ -55,6 +58,63 @@ class CheckedProvider(StateProvider, Protocol):
     def check(self, state: Mapping[str, Any]) -> None:
         """Raise :class:`RestoreError` naming each item that does not fit the live state; change nothing."""
         ...
+
+
+# --- Capabilities --------------------------------------------------------------------------------
+# What the pipeline may ask of a provider beyond describe()/restore(). It tests these protocols, never a
+# provider's class, so a provider written elsewhere that offers a capability is treated like the library's.
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A provider that can list its tensors as one :class:`~providers.items.TensorBatch` in C loops, which lets
+    a runner reuse its plan instead of describing 10^5 items at every checkpoint (pipeline/plan_cache.py).
+
+    Order of calls, all on the trainer's thread at a request: ``tensor_batch()`` first; when the runner has
+    no plan for this listing yet (the first request, or the listing changed), ``describe()`` next, which
+    must give exactly the batch's tensor items (same keys, memory and ``changes``) and its ``others``
+    alike, or the provider is described item by item from then on while its listing stays the same. On
+    later requests that list the very same tensor objects under the same keys and ``changes``, only
+    ``tensor_batch()`` is called; its ``others`` (small items such as an optimizer's skeleton) are planned
+    afresh each time. ``tensor_batch()`` returns None when it cannot list this time (then ``describe()``).
+    """
+
+    def tensor_batch(self) -> TensorBatch | None: ...
+
+
+@runtime_checkable
+class OwnsOptimizer(Protocol):
+    """A provider of a torch optimizer's state: ``register()`` attaches that optimizer (its step and
+    ``load_state_dict`` pre-hooks wait for a pending capture), so its tensors are captured lazily.
+
+    Called once, by ``runner.register``, right after the provider is registered."""
+
+    def optimizer_to_attach(self) -> torch.optim.Optimizer: ...
+
+
+@runtime_checkable
+class DeferredListing(Batched, OwnsOptimizer, Protocol):
+    """A batched provider whose listing may be taken, at a request, as it was last listed, and listed again in
+    the background before any byte is captured: for an attached optimizer, whose step waits for the capture,
+    so the state it holds at the request is still there then (pipeline/plan_cache.py, ``Resolve``).
+
+    Order of calls: ``tensor_batch()`` at some earlier request gave the listing the runner planned. At a
+    request, on the trainer's thread, ``regrouped(previous)`` (the latest listing) gives that listing with
+    the few values that may have changed snapshotted now (``others``: learning rates, skeleton), or None
+    if the listing may have other tensors (then ``tensor_batch()``). In the background, before capture:
+    ``relisted()`` lists the tensors as they are (None: it cannot; the checkpoint fails and the next one
+    lists on the trainer's thread); if that listing names other keys, ``restated(key, value)`` brings each
+    ``others`` value snapshotted at the request up to date with it. Each of its tensors is then planned
+    under ``replicated`` with the ``changes`` of its listing.
+    """
+
+    replicated: bool
+
+    def regrouped(self, previous: TensorBatch) -> TensorBatch | None: ...
+
+    def relisted(self) -> TensorBatch | None: ...
+
+    def restated(self, key: str, value: Any) -> Any: ...
 
 
 class ReadState(Mapping[str, Any]):

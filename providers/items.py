@@ -14,7 +14,7 @@ data; a wrong ``replicated=True`` would keep one rank's value for all. One proce
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 
@@ -106,11 +106,3 @@ class TensorBatch:
 
     def changes_of(self, index: int) -> Changes:
         return self.changes if isinstance(self.changes, str) else self.changes[index]
-
-
-@runtime_checkable
-class Batched(Protocol):
-    """A provider that can list its tensors as one :class:`TensorBatch`, or None when it cannot this time
-    (then it is described item by item)."""
-
-    def tensor_batch(self) -> TensorBatch | None: ...

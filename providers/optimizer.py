@@ -12,7 +12,7 @@ from .dtensor import is_dtensor, layout_target, like_live, storage_of
 from .items import Item, Serializer, TensorBatch, TensorItem
 from .optimizer_batch import StateLister
 from .optimizer_check import check_optimizer_state
-from .stateful import StatefulProvider
+from .stateful import SKELETON_KEY, StatefulProvider
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -70,9 +70,14 @@ class OptimizerProvider(StatefulProvider):
         """The state's tensors as :meth:`tensor_batch` lists them, without the parameter groups."""
         return self._lister.relisted(self.optimizer)
 
-    def restated(self, skeleton: dict[str, Any]) -> dict[str, Any]:
-        """A skeleton snapshotted at a request, with the state part of the latest listing."""
-        return self._lister.restated(skeleton)
+    def restated(self, key: str, value: Any) -> Any:
+        """An item of ``others`` snapshotted at a request, brought up to date with the latest listing: the
+        skeleton gets that listing's state part; the other items (group tensors) depend on no listing."""
+        return self._lister.restated(value) if key == SKELETON_KEY else value
+
+    def optimizer_to_attach(self) -> torch.optim.Optimizer:
+        """The optimizer ``register()`` attaches (its step waits for a pending capture)."""
+        return self.optimizer
 
     def restore_targets(self, global_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorItem]:
         """Layouts for saved state the live optimizer does not hold yet, keyed like :meth:`describe`.

@@ -12,7 +12,7 @@ import torch
 from tierstate import TierstateError
 from tierstate.pipeline.registration import RegistrationError
 from tierstate.pipeline.runner import Runner
-from tierstate.providers import ModuleProvider, OptimizerProvider, StatefulProvider, TensorDictProvider
+from tierstate.providers import ModuleProvider, OptimizerProvider, StatefulProvider, TensorDictProvider, TensorItem
 
 
 class Sampler:
@@ -96,6 +96,42 @@ def test_a_plain_optimizer_is_attached_so_its_tensors_are_captured_lazily(make_r
     # returns; parameters and AdamW moments wait for the attached optimizer's step pre-hook.
     assert handle.snapshot.tensors == 3 and handle.snapshot.uncovered == ()
     handle.result()
+
+
+class OwnOptimizerProvider(StatefulProvider):
+    """A user's provider of an optimizer, no subclass of OptimizerProvider: it offers the capability alone."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        super().__init__(opt)
+        self.opt = opt
+
+    def describe(self) -> list[Any]:
+        items = super().describe()
+        for item in items:
+            if isinstance(item, TensorItem):
+                item.changes = "step"
+        return items
+
+    def optimizer_to_attach(self) -> torch.optim.Optimizer:
+        return self.opt
+
+
+def test_a_provider_that_owns_an_optimizer_has_it_attached_whatever_its_class(
+    make_runner: Callable[..., Runner],
+) -> None:
+    model, opt, sched, sampler = _training()
+    runner = make_runner()
+    runner.register(model=model, optim=OwnOptimizerProvider(opt))
+    assert runner.attached == (opt,)
+    _train_step(model, opt, sched, sampler)
+    saved = _values(model, opt, sched, sampler)
+    handle = runner.checkpoint(1)
+    assert handle.snapshot.tensors == 3 and handle.snapshot.uncovered == ()  # the moments wait for the step
+    handle.result()
+    _train_step(model, opt, sched, sampler)
+    runner.restore(1)
+    now = _values(model, opt, sched, sampler)
+    assert _same({**now, **{k: saved[k] for k in ("model", "moments", "steps", "lr")}}, now)
 
 
 def test_explicit_providers_keep_working(make_runner: Callable[..., Runner]) -> None:
