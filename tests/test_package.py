@@ -64,7 +64,7 @@ def test_wheel_installs_exactly_one_top_level_package(tmp_path: Path) -> None:
     assert top == ["tierstate"]
     assert (target / "tierstate" / "py.typed").is_file()
     # Imported from an unrelated directory with only the target on the path: no checkout involved.
-    probe = "import tierstate, tierstate.pipeline.cli; print(tierstate.__file__); print(len(tierstate.__all__))"
+    probe = "import tierstate, tierstate.cli; print(tierstate.__file__); print(len(tierstate.__all__))"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
         check=True, capture_output=True, text=True, timeout=120,

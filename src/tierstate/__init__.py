@@ -11,9 +11,9 @@ command, which runs this module first, must answer ``--help`` and ``--version`` 
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from tierstate._version import __version__
 from tierstate.errors import TierstateError
 
 if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interpreter the same
@@ -89,10 +89,6 @@ _HOMES = {
 }  # fmt: skip
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-try:
-    __version__ = version("tierstate")
-except PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,6 @@
 
 import sys
 
-from tierstate.pipeline.cli import main
+from tierstate.cli import main
 
 sys.exit(main())

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from faultkit import DEFAULT_YAML, REPO, make_runner, scaled, tally, write_steps
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.providers import ObjectProvider

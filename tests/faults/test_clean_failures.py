@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from faultkit import bind, make_runner, set_read_only, state_matches, tmpfs, trainer, write_steps
+from tierstate import cli
 from tierstate.errors import TierstateError
-from tierstate.pipeline import cli
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.format import MANIFEST_NAME, MissingItemError, manifest_bytes, read_manifest

@@ -32,7 +32,7 @@ from faultkit import (
     tally,
     trainer,
 )
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.tiers.migrate import migrate
 from tierstate.tiers.reader import read_items
 from tierstate.tiers.retention import collect_garbage, leftovers

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from faultkit import DEFAULT_YAML
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers import faults

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from tierstate import ObjectProvider, RNGProvider, Runner, StatefulProvider, TensorDictProvider
-from tierstate.pipeline.cli import main
+from tierstate.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is:UserWarning")
 

@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tierstate import ObjectProvider, RNGProvider, Runner  # noqa: E402
+from tierstate.cli import main as cli  # noqa: E402
 from tierstate.integrations.hf import TierstateCallback  # noqa: E402
 from tierstate.integrations.hf_trainer import TrainerIntegrationError  # noqa: E402
-from tierstate.pipeline.cli import main as cli  # noqa: E402
 
 WORKER = Path(__file__).with_name("hf_train_worker.py")
 REPO = Path(__file__).resolve().parents[2]

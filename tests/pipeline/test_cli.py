@@ -22,7 +22,8 @@ import yaml
 
 import tierstate
 from conftest import DEFAULT_YAML, REPO
-from tierstate.pipeline import cli, cli_run
+from tierstate import cli
+from tierstate.cli import options
 from tierstate.pipeline.config import load_config
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
@@ -99,8 +100,8 @@ def test_relative_tier_paths_resolve_as_the_runner_resolves_them(tmp_path, monke
     config = _write(tmp_path / "etc" / "pipeline.yaml", _config({"nvme": {"path": "link/../ckpt"}}))
     runner_tiers = _checkpoints(config, [3])
     assert runner_tiers == [FilesystemTier("nvme", run / "ckpt")]
-    assert [p.tier for p in cli_run.load_tiers(str(config), None)] == runner_tiers
-    assert [p.tier for p in cli_run.load_tiers(None, ["nvme=link/../ckpt"])] == runner_tiers
+    assert [p.tier for p in options.load_tiers(str(config), None)] == runner_tiers
+    assert [p.tier for p in options.load_tiers(None, ["nvme=link/../ckpt"])] == runner_tiers
     assert cli.main(["ls", "--json", "--config", str(config)]) == 0
     assert [(e["tier"], e["step"]) for e in json.loads(capsys.readouterr().out)] == [("nvme", 3)]
 
@@ -156,7 +157,7 @@ def _on_terminal(args: list[str], answer: str | None = None, columns: int = 72) 
 def test_help_and_version_answer_without_importing_torch() -> None:
     probe = (
         "import sys\n"
-        "from tierstate.pipeline.cli import main\n"
+        "from tierstate.cli import main\n"
         "for argv in (['--help'], ['--version'], ['migrate', '--help'], ['prune', '--help']):\n"
         "    try:\n"
         "        main(argv)\n"

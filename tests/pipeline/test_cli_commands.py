@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 from test_cli import _on_terminal
 
-from tierstate.pipeline import cli
+from tierstate import cli
+from tierstate.cli import render
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers import commands, faults
 from tierstate.tiers.convert import container_format
@@ -64,27 +65,28 @@ def test_prune_says_what_it_would_free_and_what_it_freed(nvme, capsys):
     assert nvme.steps() == [2, 3]
 
 
-def test_prune_asks_first_and_deletes_nothing_unless_told_yes(nvme, capsys):
-    questions: list[str] = []
+def test_prune_asks_first_and_deletes_nothing_unless_told_yes(nvme):
+    plans: list[commands.Pruning] = []
 
     def answer(yes: bool):
-        def confirm(question: str) -> bool:
-            questions.append(question)
+        def confirm(plan: commands.Pruning) -> bool:
+            plans.append(plan)
             return yes
 
         return confirm
 
     policies = [TierPolicies(nvme, RetentionPolicy(keep_last=1))]
-    total = _mb(_du(nvme.step_dir(1)) + _du(nvme.step_dir(2)))
-    assert commands.prune_tiers(policies, {"nvme"}, confirm=answer(False)) == 0
-    assert questions == [f"delete 2 checkpoints, freeing {total}? [y/N] "]
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("nvme step 1: would delete") and out[-1] == "nothing deleted"
-    assert nvme.steps() == [1, 2, 3]
-    assert commands.prune_tiers(policies, {"nvme"}, confirm=answer(True)) == 0
-    assert nvme.steps() == [3] and capsys.readouterr().out.splitlines()[-1] == f"freed {total} in all"
-    assert commands.prune_tiers(policies, {"nvme"}, confirm=answer(True)) == 0
-    assert len(questions) == 2  # nothing left to delete: nothing asked
+    total = _du(nvme.step_dir(1)) + _du(nvme.step_dir(2))
+    declined = commands.prune_tiers(policies, {"nvme"}, confirm=answer(False))
+    assert declined.declined and declined.decisions == [] and nvme.steps() == [1, 2, 3]
+    [plan] = plans
+    assert plan.dry_run and [d.step for d in plan.doomed] == [1, 2] and plan.freed == total
+    assert render.prune_question(plan) == f"delete 2 checkpoints, freeing {_mb(total)}? [y/N] "
+    done = commands.prune_tiers(policies, {"nvme"}, confirm=answer(True))
+    assert not done.dry_run and [d.step for d in done.doomed] == [1, 2] and done.freed == total
+    assert nvme.steps() == [3]
+    nothing = commands.prune_tiers(policies, {"nvme"}, confirm=answer(True))
+    assert len(plans) == 2 and nothing.doomed == []  # nothing left to delete: nothing asked
 
 
 def test_prune_on_a_terminal_asks_and_yes_skips_the_question(nvme):

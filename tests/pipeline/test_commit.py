@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import ObjectProvider, TensorDictProvider

@@ -31,7 +31,7 @@ from dist_worker import (
 )
 
 from conftest import REPO
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider
 from tierstate.tiers.pacing import Pacer
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.restore import nearest_first
 from tierstate.pipeline.runner import Runner

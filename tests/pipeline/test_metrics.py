@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierstate.cli.stats import show_stats
 from tierstate.pipeline.handle import CheckpointFailed, HandleCompleter
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.format import MANIFEST_NAME, ManifestError, checksum, manifest_bytes, read_manifest
 from tierstate.tiers.multirank import RankPart, merge_parts
-from tierstate.tiers.stats import show_stats
 
 MiB = 1 << 20
 CHAIN = ["capture", "serialize", "compress", "persist"]

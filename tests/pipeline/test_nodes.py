@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.tiers.faults import ENV as FAULT_ENV
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate

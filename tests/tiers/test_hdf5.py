@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.providers import ObjectProvider, TensorDictProvider
 from tierstate.tiers.dtypes import DTYPES
 from tierstate.tiers.filesystem import FilesystemTier

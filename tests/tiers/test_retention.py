@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.locks import reading

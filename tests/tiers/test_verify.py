@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate

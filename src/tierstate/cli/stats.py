@@ -4,7 +4,7 @@ The runner records, per rank, what writing its part cost (pipeline/metrics.py) i
 ``stats`` just before the commit: bytes, seconds from the request to capture and to the files
 fsynced, the trainer's blocked time, the wait for host-cache slabs, and per stage its units (and how
 many of them it passed on with nothing to do), bytes, wall and busy seconds, GB/s and queue peak.
-This prints it, long after the run, from the files alone. A checkpoint written before stats were
+This renders it, long after the run, from the files alone. A checkpoint written before stats were
 recorded has none, which is said, not an error.
 """
 
@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .format import Manifest, RankStatsRecord, read_manifest
+from ..tiers.format import Manifest, RankStatsRecord, read_manifest
+from .render import columns
 
 _COLUMNS = ("stage", "units", "passed", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
 
@@ -54,21 +55,11 @@ def _rank_lines(rank: int, record: RankStatsRecord) -> list[str]:
          f"{s.gbps:.2f}", f"{s.queue_peak}/{s.queue_bound}")
         for s in record.stages
     ]  # fmt: skip
-    return summary + ["  " + line for line in _columns(rows)]
+    return summary + ["  " + line for line in columns(_COLUMNS, rows, right=_COLUMNS[1:])]
 
 
 def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
-
-
-def _columns(rows: list[tuple[str, ...]]) -> list[str]:
-    """Padded columns, numbers right-aligned; every row whole on its line (for grep and awk)."""
-    widths = [max(len(cell) for cell in cells) for cells in zip(_COLUMNS, *rows, strict=True)]
-    lines = []
-    for row in (_COLUMNS, *rows):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-    return lines
 
 
 def show_stats(directory: Path, as_json: bool) -> int:

@@ -1,17 +1,14 @@
-"""The ``tierstate`` command line (also ``python -m tierstate``): its options, help and exit codes.
+"""The ``tierstate`` command line's options and help.
 
 Parsing needs nothing but argparse, so ``--help`` and ``--version`` answer at once; the code that
-reads checkpoints (pipeline/cli_run.py, which loads torch, seconds) is imported only to run a
-command. Exit codes: 0 done, 1 some checkpoint failed (each named), 2 bad input (the option, key or
-path named), 130 interrupted (Ctrl-C).
+reads checkpoints (cli/run.py, which loads torch, seconds) is imported only to run a command.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from tierstate import __version__
+from .._version import __version__
 
 
 def _step(text: str) -> int:
@@ -113,18 +110,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--force", action="store_true", help="replace the file if it exists")
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        from . import cli_run  # the checkpoint code, and torch: only now that a command is to run
-
-        return cli_run.run(args)
-    except KeyboardInterrupt:
-        print(f"tierstate {args.command}: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Tiers and option values from a parsed ``tierstate`` command line.
+
+Tiers are read exactly as the runner reads them: a ``--config`` YAML (or a packaged config by name)
+goes through :func:`~tierstate.pipeline.config.load_config`, so a key written twice, an unknown key
+anywhere (under ``pipeline:`` too) and every bad value are refused with the file and the key path,
+and relative tier paths are resolved as the runner resolves them (against the working directory, see
+``TierConfig``). ``--tier NAME=PATH`` goes through the same tier model. A config the runner refuses
+is one the CLI refuses: retention read differently by the two could delete checkpoints the runner
+keeps. The commands (tiers/commands.py) take the tiers and policies built here, never YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Collection, Sequence
+from typing import TypeVar
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from ..pipeline.config import TierConfig, load_config, packaged_configs, parse_tiers
+from ..tiers.commands import UsageError
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.nodes import as_node
+from ..tiers.retention import TierPolicies
+
+T = TypeVar("T")
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+# --- tiers from --config and --tier -------------------------------------------------------------
+def _policies(name: str, tier: TierConfig) -> TierPolicies:
+    return TierPolicies(FilesystemTier(name, tier.path, tier.scope), tier.retention, tier.flush)
+
+
+def _tier_option(spec: str) -> TierPolicies:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise UsageError(f"--tier {spec!r}: expected NAME=PATH")
+    [(name, tier)] = parse_tiers({name: {"path": path}}, source=f"--tier {spec!r}").items()
+    return _policies(name, tier)
+
+
+def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[TierPolicies]:
+    """The tiers of ``--config`` (with their policies, read as the runner reads them), followed by
+    those of ``--tier NAME=PATH`` (no policies)."""
+    tiers = [_policies(name, tier) for name, tier in load_config(config).tiers.items()] if config else []
+    tiers += [_tier_option(spec) for spec in tier_options or []]
+    if not tiers:
+        packaged = ", ".join(packaged_configs())
+        raise UsageError(f"no tiers: give --config FILE (or a packaged config: {packaged}) or --tier NAME=PATH")
+    names = [t.tier.name for t in tiers]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"tier {repeated[0]!r} is given twice")
+    return tiers
+
+
+def tiers_of(args: argparse.Namespace) -> list[TierPolicies]:
+    """The tiers of the options; with ``--node``, node-scoped tier paths are that node's (``{node}``)."""
+    if not args.node:
+        return load_tiers(args.config, args.tier)
+    with as_node(args.node):
+        return load_tiers(args.config, args.tier)
+
+
+def must_exist(read: Sequence[FilesystemTier]) -> None:
+    """At least one of the tiers a command reads must be there: else a mistyped path, or a config's
+    relative paths taken from another directory, would list nothing and exit 0. One that is not there
+    is noted on stderr and read as empty (a tier may not be written yet, e.g. a flush tier before its
+    first flush)."""
+    missing = [tier for tier in read if not tier.root.is_dir()]
+    if missing and len(missing) == len(read):
+        where = ", ".join(f"{tier.name} ({tier.root})" for tier in missing)
+        raise UsageError(
+            f"no such tier directory: {where}; relative paths are taken from the working directory ({os.getcwd()})"
+        )
+    for tier in missing:
+        print(f"tierstate: note: tier {tier.name} has no directory {tier.root} (yet); taken as empty", file=sys.stderr)
+
+
+def pick(tiers: Sequence[TierPolicies], name: str, option: str) -> TierPolicies:
+    """The tier called ``name``; the error names the option and the tiers there are."""
+    for policies in tiers:
+        if policies.tier.name == name:
+            return policies
+    known = ", ".join(t.tier.name for t in tiers)
+    raise UsageError(f"{option} {name}: no such tier (tiers: {known})")
+
+
+def select(tiers: Sequence[TierPolicies], names: Sequence[str] | None, option: str) -> list[TierPolicies]:
+    """The tiers named by a repeatable option, in tier order; all of them when it was not given."""
+    if not names:
+        return list(tiers)
+    chosen = {pick(tiers, name, option).tier.name for name in names}
+    return [t for t in tiers if t.tier.name in chosen]
+
+
+# --- option values ------------------------------------------------------------------------------
+def duration(text: str, option: str) -> float:
+    """Seconds from ``90``, ``30s``, ``10m``, ``2h`` or ``1d``."""
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise UsageError(f"{option} {text!r}: expected a duration such as 90, 30s, 10m, 2h or 1d")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def size(text: str, option: str) -> int:
+    """Bytes from ``200MB``, ``1GiB`` or a plain number, as sizes are written in the config."""
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise UsageError(f"{option} {text!r}: expected a size such as 200MB, 1GiB or a number of bytes") from None
+    if size <= 0:
+        raise UsageError(f"{option} {text!r}: must be more than 0 bytes")
+    return size
+
+
+def choice(text: str | None, choices: Collection[T], option: str) -> T | None:
+    """``text`` if it is one of ``choices`` (or None, the option not given); else the option is named."""
+    for choice in choices:
+        if text == choice:
+            return choice
+    if text is not None:
+        raise UsageError(f"{option} {text!r}: expected one of {', '.join(map(str, choices))}")
+    return None
