@@ -6,7 +6,7 @@ quietly decide what is deleted) and naming line and column. Those of the values:
 a location in its own terms (``tiers.NVMe.[key]``, union tags inserted into the path, ``Input
 should be ...``); :func:`render` turns each error into ``key.path: message`` with the YAML's type
 names and the closest valid key for a typo. It walks the schema's annotations from the root model
-it is given, so it needs no import of the schema (pipeline/config.py), which imports it.
+it is given, so it needs no import of the schema (pipeline/config_schema.py), which imports it.
 """
 
 from __future__ import annotations

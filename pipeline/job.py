@@ -25,7 +25,8 @@ from ..tiers.hostcache import HostCache, Slab
 from ..tiers.objcodec import ObjectCodecError, encode_object
 from .capture import SlabCopier
 from .commit import Commit, TierCommit
-from .config import CompressStage, PersistStage, PipelineConfig, SerializeStage
+from .config import PipelineConfig
+from .config_schema import CompressStage, PersistStage, SerializeStage
 from .lanes import Lane, Step, run_lane
 from .metrics import CheckpointStats, StageStats
 from .persist import TierWriter

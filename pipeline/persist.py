@@ -20,7 +20,7 @@ from ..tiers.container import Chunk, Layout
 from ..tiers.format import ManifestBody
 from ..tiers.pacing import Pacer
 from ..tiers.rankwriter import RankWriter, data_file_path
-from .config import PersistStage
+from .config_schema import PersistStage
 from .plan import CheckpointPlan, tensor_layout
 from .retry import RetryPolicy, storage_call, storage_call_here
 

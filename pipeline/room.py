@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pydantic import ByteSize
 
 from ..tiers.filesystem import FilesystemTier, TierError
-from .config import TierConfig
+from .config_schema import TierConfig
 from .units import run_blocking
 
 # Objects (serialized Python values) and indexes are not in the plan's tensor bytes: a margin for them.

@@ -4,7 +4,7 @@ The stages are a graph the user writes (each names its ``next``), so it can be b
 a graph can: several or no captures, a stage feeding nothing or fed by two, a missing target, a
 wrong order, a cycle, a stage off the chain. Each problem is reported once, at the key path of the
 ``next`` (or stage) to change. Only ``kind`` and ``next`` matter here, so this module needs no
-import of the config models (pipeline/config.py), which call it from their semantic check.
+import of the config models (pipeline/config_schema.py); pipeline/config_checks.py calls it.
 """
 
 from __future__ import annotations

@@ -14,17 +14,9 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from tierstate.pipeline.config import (
-    CompressStage,
-    ConfigError,
-    PersistStage,
-    PipelineConfig,
-    capture_workers_for_host,
-    config_path,
-    load_config,
-    packaged_configs,
-    parse_config,
-)
+from tierstate.pipeline.config import ConfigError, PipelineConfig, config_path, load_config, parse_config
+from tierstate.pipeline.config_schema import CompressStage, PersistStage, capture_workers_for_host
+from tierstate.pipeline.packaged import packaged_configs
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierstate.pipeline.config import ConfigError, TierConfig, parse_config
+from tierstate.pipeline.config import ConfigError, parse_config
+from tierstate.pipeline.config_schema import TierConfig
 from tierstate.pipeline.room import Room, TierFullError, no_room_for
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider

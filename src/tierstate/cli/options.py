@@ -20,7 +20,9 @@ from typing import TypeVar
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from ..pipeline.config import TierConfig, load_config, packaged_configs, parse_tiers
+from ..pipeline.config import load_config, parse_tiers
+from ..pipeline.config_schema import TierConfig
+from ..pipeline.packaged import packaged_configs
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node

@@ -20,7 +20,8 @@ from typing import get_args
 
 from tierstate.errors import TierstateError
 
-from ..pipeline.config import ConfigError, packaged_config, packaged_configs
+from ..pipeline.config import ConfigError
+from ..pipeline.packaged import packaged_config, packaged_configs
 from ..tiers import commands
 from ..tiers.commands import Pruning, UsageError
 from ..tiers.convert import Format

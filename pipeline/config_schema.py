@@ -1,0 +1,375 @@
+"""The pipeline YAML's schema: every section as a strict, immutable pydantic model.
+
+Pydantic checks types, ranges and unknown keys here and collects every error; the checks across
+sections (stage graph, tier references, sizes) are in pipeline/config_checks.py, and
+:class:`~tierstate.pipeline.config.PipelineConfig` (pipeline/config.py, which also loads files)
+is this schema with those checks passed. Defaults that follow from other keys (the persist tier,
+the packaged default's stage chain, the chunk size) are filled in before validation, here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, overload
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ..tiers.nodes import expand_node
+from ..tiers.policy import FlushPolicy, RetentionPolicy
+from .config_errors import read_yaml
+from .packaged import DEFAULT_NAME, packaged_config
+
+MiB = 1 << 20
+
+StageKind = Literal["capture", "serialize", "compress", "persist"]
+STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
+
+# The default chunk: each chunk is handed between pipeline threads, and each hand-over takes the GIL from
+# the trainer for a moment; 64MiB chunks cost a Python-bound trainer 1.6-2x less step time than 16MiB,
+# durable and cold restore as fast or faster, warm restore 1.6x faster: benchmarks/RESULTS.md, issue 16.
+DEFAULT_CHUNK = 64 * MiB
+_SIZE = TypeAdapter(ByteSize)
+
+
+def default_chunk_size(bounds: list[int]) -> int:
+    """``chunk_size`` when the config leaves it out: DEFAULT_CHUNK, or a quarter of the smallest of
+    ``bounds`` (the host cache, the bounded tiers) where that is less, in whole MiB, at least 1MiB: the
+    cache must hold two chunks, and a bounded tier at least one checkpoint."""
+    quarter = min(bounds, default=DEFAULT_CHUNK * 4) // 4 // MiB * MiB
+    return max(MiB, min(DEFAULT_CHUNK, quarter))
+
+
+def _size_or_none(value: object) -> int | None:
+    """A size as the YAML gives it (``64MiB``, bytes), or None where invalid (reported at its own key)."""
+    try:
+        return int(_SIZE.validate_python(value))
+    except ValidationError:
+        return None
+
+
+def _at_least(minimum: int) -> AfterValidator:
+    """A size lower bound whose message is in human units (``1.0MiB``), not raw byte counts."""
+
+    def check(value: ByteSize) -> ByteSize:
+        if value < minimum:
+            floor = ByteSize(minimum).human_readable()
+            raise ValueError(f"must be at least {floor}, got {value.human_readable()}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _power_of_two_alignment(value: ByteSize) -> ByteSize:
+    """Frames are aligned for O_DIRECT, which needs a power of two from the sector size (512) up."""
+    if not 512 <= value <= MiB or value & (value - 1):
+        raise ValueError(f"must be a power of two between 512 and 1048576 (1MiB), got {int(value)}")
+    return value
+
+
+class _Strict(BaseModel):
+    """Base for every section: unknown keys are errors (typos must not be silently ignored), and a
+    loaded config is immutable because runner threads share it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HostCacheConfig(_Strict):
+    """The fixed host buffer pool; allocated once so memory stays bounded and pinning is paid once."""
+
+    size: ByteSize = ByteSize(256 * MiB)
+    pinned: Literal["auto", True, False] = "auto"
+
+
+class TierConfig(_Strict):
+    """One durable filesystem tier (local NVMe, a parallel file system mount, any directory).
+
+    ``retention`` says which checkpoints it keeps; ``flush`` makes it receive background copies of
+    the checkpoints the persist tier commits (see tiers/policy.py). ``scope: node``: each node has its
+    own directory (local NVMe, memory), holding only its ranks' files; ``{node}`` in the path stands
+    for the node's name (tiers/nodes.py). ``shared``: one directory every rank sees (PFS).
+
+    ``kind: memory``: a directory in host shared memory (a tmpfs such as ``/dev/shm``), whose
+    checkpoints outlive the training process (not the node) so a restart restores from RAM. It is
+    node-scoped (the default scope for it) and needs ``size``, the most bytes it may hold on a
+    node: host memory is the job's too. ``size`` bounds any tier; a checkpoint that would not fit
+    waits for the tier's older copies to be flushed and pruned, or fails naming this key.
+
+    ``replicas: 1`` on a node-scoped tier: each node's part committed there is also sent to a partner
+    node's tier (the next node, in a ring), so a replaced node restores its part from the partner
+    rather than the shared tier (pipeline/peers.py).
+    """
+
+    path: Path
+    kind: Literal["disk", "memory"] = "disk"
+    scope: Literal["node", "shared"] = "shared"
+    size: Annotated[ByteSize, _at_least(1)] | None = None
+    retention: RetentionPolicy = RetentionPolicy()
+    flush: FlushPolicy | None = None
+    replicas: Annotated[int, Field(ge=0, le=1)] = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _memory_is_node_scoped(cls, data: Any) -> Any:
+        # A memory tier is each node's own RAM, so that is its scope unless the YAML says otherwise
+        # (which _bounded_tier_problems then refuses, naming the key).
+        if isinstance(data, Mapping) and data.get("kind") == "memory" and "scope" not in data:
+            return {**data, "scope": "node"}
+        return data
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _absolute(cls, value: Any) -> Any:
+        # Resolved once at load time so a later os.chdir in the trainer cannot redirect writes.
+        # An empty path would silently mean the working directory, so it is refused.
+        if not isinstance(value, str | os.PathLike):
+            return value  # pydantic reports the wrong type
+        if not os.fspath(value).strip():
+            raise ValueError("must not be empty")
+        return os.path.abspath(os.path.expanduser(expand_node(os.fspath(value))))
+
+
+class StageBase(_Strict):
+    """Fields every stage has: its worker thread count, the bound of its input queue, its successor."""
+
+    kind: StageKind
+    # 0: no threads of its own; the threads of the stage before it run it too (pipeline/lanes.py).
+    workers: Annotated[StrictInt, Field(ge=0)] = 1
+    queue: Annotated[StrictInt, Field(ge=1)] = 4
+    next: str | None = None
+
+
+def capture_workers_for_host() -> int:
+    """``workers: auto`` of capture: the cores this process may run on, less one kept for the
+    trainer's own thread, between 1 and 2. Each capture worker copies and checksums at memory speed;
+    on a 2-core host a second one only takes the core the trainer needs (issue 16: it doubled a
+    Python-bound trainer's step-time inflation), and two already copy faster than a disk writes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(2, cores - 1))
+
+
+def _auto_workers(value: object) -> object:
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"must be a whole number of workers or 'auto', got {value!r}")
+        return capture_workers_for_host()
+    return value
+
+
+class CaptureStage(StageBase):
+    """Copies device tensors into host-cache slabs (lazy: overlapped with forward/backward)."""
+
+    kind: Literal["capture"] = "capture"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
+    # ``auto`` (the default) is resolved when the config loads: capture_workers_for_host().
+    workers: Annotated[StrictInt, Field(ge=1), BeforeValidator(_auto_workers)] = Field(
+        default_factory=capture_workers_for_host
+    )
+
+
+class SerializeStage(StageBase):
+    """Lays items out as frames in chunks and serializes metadata and Python objects."""
+
+    kind: Literal["serialize"] = "serialize"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
+
+
+class CompressStage(StageBase):
+    """Optional compression of chunks; ``codec: none`` keeps the stage but passes bytes through."""
+
+    kind: Literal["compress"] = "compress"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
+    codec: Literal["none", "zstd"] = "zstd"
+    level: Annotated[StrictInt, Field(ge=-7, le=22)] = 1  # configs/compressed.yaml says why
+    threads: Annotated[StrictInt, Field(ge=0)] = 0
+    # Byte-shuffle by the chunk's element size before zstd (auto), or compress the bytes as they are (off).
+    shuffle: Literal["auto", "off"] = "auto"
+
+
+class PersistStage(StageBase):
+    """Writes chunks to the first durable tier; ``bandwidth`` (bytes/s) throttles it, null = unlimited."""
+
+    kind: Literal["persist"] = "persist"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
+    tier: str
+    bandwidth: Annotated[ByteSize, _at_least(1)] | None = None
+    # Transient write errors (ENOSPC, EIO, ...) of a frame or the index are retried this many times,
+    # waiting `backoff` seconds before the first retry and doubling; fsync and commit are never retried.
+    retries: Annotated[StrictInt, Field(ge=0, le=100)] = 0
+    backoff: Annotated[float, Field(gt=0, le=600)] = 0.5
+    # auto: raw slabs are written with O_DIRECT where the file system allows it (no page-cache copy);
+    # buffered: always through the page cache (for file systems whose O_DIRECT path is slow).
+    io: Literal["auto", "buffered"] = "auto"
+    # frames: the tierstate data file; hdf5: an HDF5 file per rank, one dataset per tensor (tiers/hdf5.py).
+    format: Literal["frames", "hdf5"] = "frames"
+
+
+StageConfig = Annotated[
+    CaptureStage | SerializeStage | CompressStage | PersistStage,
+    Field(discriminator="kind"),
+]
+
+
+class PipelineSpec(_Strict):
+    """The stage graph: named stages linked by ``next`` into one chain starting at capture."""
+
+    stages: dict[str, StageConfig]
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _kind_from_name(cls, stages: Any) -> Any:
+        # Lets the common case (a stage named after its kind) omit `kind` without giving up the
+        # discriminated union, which is what yields per-kind errors at precise key paths.
+        if not isinstance(stages, Mapping):
+            return stages
+        return {
+            name: {**stage, "kind": name}
+            if isinstance(stage, Mapping) and "kind" not in stage and name in STAGE_KINDS
+            else stage
+            for name, stage in stages.items()
+        }
+
+
+class PoliciesConfig(_Strict):
+    """Behaviour choices that are not about moving bytes."""
+
+    in_flight: Literal["wait", "skip"] = "wait"
+    allow_pickle: StrictBool = False
+    # Debugging aid, off by default (it hashes every lazily captured tensor twice on the trainer's
+    # side): fail a checkpoint whose lazily captured tensors changed between request and copy.
+    check_capture: StrictBool = False
+
+
+TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]*$")]
+Tiers = Annotated[dict[TierName, TierConfig], Field(min_length=1)]
+TIERS: TypeAdapter[dict[str, TierConfig]] = TypeAdapter(Tiers)
+
+
+class ConfigSchema(_Strict):
+    """The whole spec, each section valid on its own; :class:`~tierstate.pipeline.config.PipelineConfig`
+    adds the checks across sections, so only that one is sure to have a well-formed stage chain."""
+
+    version: StrictInt = 1
+    # Left out: default_chunk_size() of the host cache and the bounded tiers (_default_chunk_size).
+    chunk_size: Annotated[ByteSize, _at_least(MiB)] = ByteSize(DEFAULT_CHUNK)
+    align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
+    host_cache: HostCacheConfig = HostCacheConfig()
+    tiers: Tiers
+    pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
+    policies: PoliciesConfig = PoliciesConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_tiers(cls, data: Any) -> Any:
+        """Defaults that follow from the tiers: a persist stage without ``tier`` writes to the first
+        (fastest) tier, and a config without ``pipeline`` gets the packaged default's stage chain,
+        writing there too; so ``{"tiers": {...}}`` alone is a complete config."""
+        if not isinstance(data, Mapping):
+            return data
+        tiers = data.get("tiers")
+        first = next(iter(tiers), None) if isinstance(tiers, Mapping) else None
+        if "pipeline" in data:
+            pipeline = data["pipeline"]
+        else:
+            pipeline = packaged_default_pipeline()
+            if first is not None:  # else the default's own tier stays, and only the tiers are reported
+                for stage in pipeline["stages"].values():
+                    stage.pop("tier", None)
+        stages = pipeline.get("stages") if isinstance(pipeline, Mapping) else None
+        if first is None or not isinstance(stages, Mapping):
+            return {**data, "pipeline": pipeline}  # pydantic reports what is wrong
+        filled = {
+            name: {**stage, "tier": first}
+            if isinstance(stage, Mapping) and "tier" not in stage and stage.get("kind", name) == "persist"
+            else stage
+            for name, stage in stages.items()
+        }
+        return {**data, "pipeline": {**pipeline, "stages": filled}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_chunk_size(cls, data: Any) -> Any:
+        """``chunk_size`` left out: from the sizes the config bounds (default_chunk_size), so that a
+        config with a small host cache, valid when 16MiB was the default, stays valid."""
+        if not isinstance(data, Mapping) or "chunk_size" in data:
+            return data
+        cache = data.get("host_cache")
+        bounds = [cache["size"] if isinstance(cache, Mapping) and "size" in cache else HostCacheConfig().size]
+        tiers = data.get("tiers")
+        if isinstance(tiers, Mapping):
+            bounds += [tier["size"] for tier in tiers.values() if isinstance(tier, Mapping) and "size" in tier]
+        sizes = [size for size in map(_size_or_none, bounds) if size is not None]
+        return {**data, "chunk_size": default_chunk_size(sizes)}
+
+    @field_validator("version")
+    @classmethod
+    def _supported_version(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"unsupported version {value}; only version 1 is supported")
+        return value
+
+    def chain(self) -> list[tuple[str, StageConfig]]:
+        """Stages in data-flow order, from capture to persist."""
+        stages = self.pipeline.stages
+        name: str | None = next(n for n, s in stages.items() if s.kind == "capture")
+        ordered: list[tuple[str, StageConfig]] = []
+        while name is not None:
+            ordered.append((name, stages[name]))
+            name = stages[name].next
+        return ordered
+
+    def threads_for(self, kind: StageKind) -> int:
+        """How many threads may run the stage of ``kind`` at once: its workers, or with ``workers: 0``
+        those of the nearest stage before it that has some (pipeline/lanes.py); 0 without that stage."""
+        threads = 0
+        for _, stage in self.chain():
+            threads = stage.workers or threads
+            if stage.kind == kind:
+                return threads
+        return 0
+
+    @overload
+    def stage_of_kind(self, kind: Literal["persist"]) -> PersistStage | None: ...
+    @overload
+    def stage_of_kind(self, kind: Literal["compress"]) -> CompressStage | None: ...
+    @overload
+    def stage_of_kind(self, kind: str) -> StageConfig | None: ...
+    def stage_of_kind(self, kind: str) -> StageConfig | None:
+        """The stage of ``kind`` (each kind occurs at most once), or None, e.g. without compress."""
+        return next((stage for _, stage in self.chain() if stage.kind == kind), None)
+
+    def durable_tiers(self) -> list[str]:
+        """Tier names fastest first, as written in the YAML; all tiers are filesystem tiers."""
+        return list(self.tiers)
+
+    @property
+    def persist_tier(self) -> str:
+        """The tier the pipeline writes to; later tiers are reached by migration."""
+        persist = self.stage_of_kind("persist")
+        assert isinstance(persist, PersistStage)  # guaranteed by PipelineConfig's checks
+        return persist.tier
+
+
+@functools.cache
+def _packaged_default() -> dict[str, Any]:
+    path = packaged_config(DEFAULT_NAME)
+    return read_yaml(path.read_text(encoding="utf-8"), str(path))
+
+
+def packaged_default_pipeline() -> dict[str, Any]:
+    """The ``pipeline`` section of the packaged default, a fresh copy for the caller to change."""
+    return copy.deepcopy(_packaged_default()["pipeline"])
