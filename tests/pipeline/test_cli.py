@@ -238,3 +238,69 @@ def test_on_a_terminal_tables_fold_long_cells_and_cut_nothing(make_runner, tmp_p
     assert all(len(line) <= 60 for line in shown.splitlines()), shown
     cells = "".join(re.findall(r"^│\s*(\S+?)\s*│", shown, flags=re.MULTILINE))  # the key column, line by line
     assert f"model/{key}" in cells
+
+
+@pytest.mark.parametrize("columns", [40, 150])
+def test_on_a_narrow_terminal_no_value_is_folded_mid_word(make_runner, tmp_path, columns) -> None:
+    """``commit/ted``: rich narrowed every column evenly and broke short words. A word that fits the
+    terminal is shown whole, in a table while one fits, else as ``column: value`` lines."""
+    runner = make_runner(chunk_size="1MiB", host_cache__size="4MiB")
+    runner.register(model=TensorDictProvider({"weight": torch.zeros(8)}))
+    runner.checkpoint(7).result()
+    manifest = read_manifest(tmp_path / "nvme" / "step-7")
+    code, shown = _on_terminal(["ls", "--tier", f"nvme={tmp_path / 'nvme'}"], columns=columns)
+    assert code == 0 and "…" not in shown
+    assert all(len(line) <= columns for line in shown.splitlines()), shown
+    words = set(re.findall(r"[^\s│┃┡┩━─┏┓┗┛┌┐└┘╇╈┳┻╋]+", shown))
+    assert {"nvme", "7", "committed", f"{manifest.stored_bytes:,}", manifest.created} <= words, shown
+    assert ("│" in shown) == (columns == 150)  # a table where one fits
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"), [("lss", "ls"), ("verfy", "verify"), ("migrat", "migrate"), ("frob", None)]
+)
+def test_a_mistyped_command_is_answered_with_the_one_meant(typed, meant) -> None:
+    done = _tierstate(typed, "--tier", "nvme=x")
+    assert done.returncode == 2 and done.stdout == ""
+    last = done.stderr.splitlines()[-1]
+    commands = "ls, inspect, stats, migrate, verify, prune, gc, export, import, init"
+    guess = f"; did you mean {meant!r}?" if meant else ""
+    assert last == f"tierstate: error: no command {typed!r}{guess} (commands: {commands})"
+
+
+def test_every_message_names_the_same_packaged_configs(tmp_path, capsys) -> None:
+    from tierstate.pipeline.packaged import packaged_configs
+
+    packaged = ", ".join(packaged_configs())
+    assert packaged == "cluster, compressed, default, tiered"
+    assert f"or a packaged config by name: {packaged})" in " ".join(_tierstate("--help").stdout.split())
+    assert f"a packaged config: {packaged}" in " ".join(_tierstate("init", "--help").stdout.split())
+    assert cli.main(["ls"]) == 2
+    assert f"(or a packaged config: {packaged})" in capsys.readouterr().err
+    assert cli.main(["ls", "--config", "nope"]) == 2
+    assert f"(packaged configs, by name: {packaged};" in capsys.readouterr().err
+    assert cli.main(["init", "--from", "nope", str(tmp_path)]) == 2
+    assert f"(packaged: {packaged})" in capsys.readouterr().err
+
+
+def test_output_into_a_pipe_closed_early_ends_quietly(make_runner, tmp_path) -> None:
+    """``tierstate inspect 7 | head -1``: the reader goes away while the CLI still writes (the listing is
+    larger than a pipe holds); it stops with exit code 141, as SIGPIPE would, and no BrokenPipeError."""
+    runner = make_runner(chunk_size="1MiB", host_cache__size="4MiB")
+    runner.register(model=TensorDictProvider({f"layer_{i}.weight": torch.zeros(2) for i in range(3000)}))
+    runner.checkpoint(7).result()
+    tiers = ["--tier", f"nvme={tmp_path / 'nvme'}"]
+    command = [sys.executable, "-m", "tierstate", "inspect", "7", *tiers]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout is not None and child.stderr is not None
+    assert child.stdout.readline().startswith(b"step 7: 3000 items")
+    child.stdout.close()  # as head does after its line
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=300) == 141 and err == ""
+    # The reader gone before the first write: the same.
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run([sys.executable, "-m", "tierstate", "ls", *tiers], stdout=write, capture_output=False,
+                          stderr=subprocess.PIPE, text=True, timeout=300, check=False)  # fmt: skip
+    os.close(write)
+    assert done.returncode == 141 and done.stderr == ""

@@ -7,8 +7,28 @@ reads checkpoints (cli/run.py, which loads torch, seconds) is imported only to r
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
+from typing import NoReturn
 
 from .._version import __version__
+from ..pipeline.packaged import packaged_configs
+
+_INVALID_COMMAND = re.compile(r"^argument COMMAND: invalid choice: '([^']*)'")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, which says which command a mistyped one is probably meant to be."""
+
+    commands: list[str] = []
+
+    def error(self, message: str) -> NoReturn:
+        typed = _INVALID_COMMAND.match(message)
+        if typed is not None:
+            close = difflib.get_close_matches(typed.group(1), self.commands, n=1)
+            guess = f"; did you mean {close[0]!r}?" if close else ""
+            message = f"no command {typed.group(1)!r}{guess} (commands: {', '.join(self.commands)})"
+        super().error(message)
 
 
 def _step(text: str) -> int:
@@ -24,13 +44,14 @@ def _at_least_one(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    packaged = ", ".join(packaged_configs())
+    parser = _Parser(
         prog="tierstate",
         description="Checkpoints across tiers: list, move, check. Tiers come from --config (a pipeline YAML "
-        "or a packaged config by name: default, tiered, compressed) or --tier NAME=PATH.",
+        f"or a packaged config by name: {packaged}) or --tier NAME=PATH.",
     )
     parser.add_argument("--version", action="version", version=f"tierstate {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--config", metavar="YAML", help="pipeline YAML (or packaged config name) whose tiers and policies to use"
     )
@@ -44,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, text: str, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    def command(name: str, text: str, parents: list[_Parser]) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=parents, help=text, description=text)
 
     def only(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     n = command("init", "write an editable copy of a packaged config", [])
     n.add_argument("directory", nargs="?", default=".", help="where to write NAME.yaml (default: here)")
     n.add_argument(
-        "--from", dest="name", default="default", metavar="NAME", help="default, tiered, compressed or cluster"
+        "--from", dest="name", default="default", metavar="NAME", help=f"a packaged config: {packaged}"
     )
     n.add_argument("--force", action="store_true", help="replace the file if it exists")
+    parser.commands = list(sub.choices)
     return parser

@@ -9,17 +9,15 @@ code they mean: 0 when everything asked for was done, 1 when some checkpoint fai
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from rich.console import Console
-from rich.table import Table
 
 from ..tiers.catalog import state_text
 from ..tiers.commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
 from ..tiers.migrate import MigrateReport
 from ..tiers.retention import Leftover
 from ..tiers.verify import VerifyResult
+from .tables import table
 
 
 def emit(as_json: bool, documents: list[dict[str, Any]] | dict[str, Any], lines: list[str]) -> None:
@@ -34,31 +32,6 @@ def size(nbytes: float) -> str:
 def rate(nbytes: int, seconds: float) -> str:
     """``0.44 GB/s``, or ``12.5 MB/s`` for slow copies (a paced migration, a network file system)."""
     return size(nbytes / seconds if seconds > 0 else 0) + "/s"
-
-
-def columns(names: Sequence[str], rows: Sequence[Sequence[str]], right: Collection[str] = ()) -> list[str]:
-    """Rows in padded columns (those named in ``right`` right-aligned), each row whole on its line."""
-    widths = [max(len(cell) for cell in cells) for cells in zip(names, *rows, strict=True)]
-    lines = []
-    for row in (names, *rows):
-        cells = (c.rjust(w) if name in right else c.ljust(w) for c, w, name in zip(row, widths, names, strict=True))
-        lines.append("  ".join(cells).rstrip())
-    return lines
-
-
-def table(title: str | None, names: Sequence[str], rows: Sequence[Sequence[str]], right: Collection[str] = ()) -> None:
-    """A table on stdout. On a terminal, drawn by rich, long cells folded onto more lines, never cut;
-    otherwise (a file, a pipe) plain lines in padded columns, for grep and awk."""
-    console = Console()
-    if console.is_terminal:
-        drawn = Table(title=title)
-        for name in names:
-            drawn.add_column(name, justify="right" if name in right else "left", overflow="fold")
-        for row in rows:
-            drawn.add_row(*row)
-        console.print(drawn)
-        return
-    print("\n".join(([title] if title else []) + columns(names, rows, right)))
 
 
 # --- ls and inspect -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tiers.format import Manifest, RankStatsRecord, read_manifest
-from .render import columns
+from .tables import columns
 
 _COLUMNS = ("stage", "units", "passed", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
 
