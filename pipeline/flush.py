@@ -19,6 +19,13 @@ copies only what is missing. A flush that still fails, like a failed checkpoint,
 training loop: it is logged, recorded on the handle (``flush_errors``, and its tier's future) and
 in ``failures``, each saying that its source copy stays pinned (retention keeps it until the
 tier receives it); ``drain`` (called by ``runner.close()``) waits for every flush and reports them all.
+A flush that fails because its source copy is damaged (confirmed by a verification) is noted
+unflushable instead (:mod:`tiers.pending`): reported once, and retention may then free that copy.
+
+A runner that starts on tiers where a crash left committed steps due on a later tier and not there
+resumes those flushes (``resume``, called once by the runner): in the background, oldest first,
+through the same gates, pacing, retries and verification as any flush, while it holds the source
+tier's writer lock, so that a second process started on the same tiers leaves them to this one.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ from typing import TYPE_CHECKING, Any
 from tierstate.errors import TierstateError
 
 from ..tiers.filesystem import FilesystemTier
+from ..tiers.locks import InUseError, claim_tier
 from ..tiers.migrate import MigrateReport, migrate
 from ..tiers.nodeparts import parts_present
 from ..tiers.pacing import Pacer
+from ..tiers.pending import PendingFlush, give_up_if_damaged, pending_flushes
 from ..tiers.policy import FlushPolicy
-from ..tiers.retention import TierPolicies, prune
+from ..tiers.retention import TierPolicies, collect_garbage, prune
 from .config import PipelineConfig
 from .handle import HandleCompleter
 from .retry import RetryPolicy, transient
@@ -85,11 +94,17 @@ class FlushFailure:
     error: BaseException
     attempts: int = 1
     source: str = ""
+    damaged: str | None = None  # the source copy is damaged (the first problem): noted unflushable, not pinned
 
     def __str__(self) -> str:
         tries = f" after {self.attempts} attempts" if self.attempts > 1 else ""
         text = f"flush of step {self.step} to tier {self.tier} failed{tries}: {type(self.error).__name__}: {self.error}"
-        if self.source:
+        if self.damaged is not None:
+            text += (
+                f"; its copy on {self.source} is damaged ({self.damaged}), so it can never be flushed: "
+                f"not tried again, and retention on {self.source} may delete it by its rule"
+            )
+        elif self.source:
             text += (
                 f"; its copy on {self.source} stays pinned (retention keeps it) until {self.tier} receives it"
                 f" (tierstate migrate {self.step} --from {self.source} --to {self.tier})"
@@ -155,17 +170,20 @@ class Flusher:
         if not self._active:
             return
         for target in self._due_targets(completer.step):
-            self._spawn(self._flush(completer, target))
+            self._spawn(self._flush(completer.step, target, completer))
         if self._prunes:
             self._spawn(self._prune())
 
-    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         task = self._loop.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
-    async def _flush(self, completer: HandleCompleter, target: _Target) -> None:
-        step, name = completer.step, target.tier.name
+    async def _flush(self, step: int, target: _Target, completer: HandleCompleter | None) -> None:
+        """Copy ``step`` to ``target`` (retried, reported); ``completer``: its handle, None for a step
+        a crashed run left (:meth:`resume`), whose flush nobody waits on."""
+        name = target.tier.name
         report = None
         attempts = 0
         if self._role.copies:
@@ -184,14 +202,18 @@ class Flusher:
                         )
                         await asyncio.sleep(delay)
                         continue
-                    self._failed(completer, name, exc, attempts)
+                    await self._failed(step, completer, name, exc, attempts)
                     return
             log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
+        if completer is None:  # a step a crashed run left: its other nodes' parts come as their runners resume
+            if self._prunes:
+                await self._prune()
+            return
         if self._role.wait_s and (report is None or report.waiting_for):
             try:
                 await self._published(step, target.tier, report)
             except Exception as exc:  # reported, never raised into training
-                self._failed(completer, name, exc, max(attempts, 1))
+                await self._failed(step, completer, name, exc, max(attempts, 1))
                 return
         completer.persisted(name, target.tier.step_dir(step))
         if self._prunes:
@@ -208,11 +230,74 @@ class Flusher:
             finally:
                 target.active -= 1
 
-    def _failed(self, completer: HandleCompleter, name: str, exc: BaseException, attempts: int) -> None:
-        failure = FlushFailure(completer.step, name, exc, attempts, self._source.name)
+    async def _failed(
+        self, step: int, completer: HandleCompleter | None, name: str, exc: BaseException, attempts: int
+    ) -> None:
+        """Report a flush that failed for good: in the log, on its handle and in ``failures``. If its
+        source copy is damaged it is noted unflushable, and retention may free it now."""
+        damaged = None
+        if self._role.copies:
+            damaged = await run_blocking(self._pool, give_up_if_damaged, self._source, step, name, exc)
+        failure = FlushFailure(step, name, exc, attempts, self._source.name, damaged)
         log.error("%s", failure)
-        completer.flush_failed(name, exc)
+        if completer is not None:
+            completer.flush_failed(name, exc)
         self.failures.append(failure)
+        if damaged is not None and self._prunes:
+            await self._prune()
+
+    def resume(self) -> None:
+        """Start the flushes a crashed run left undone (see the module docstring), in the background.
+
+        Called by the runner before its first checkpoint: the steps listed here are a previous run's,
+        never one this runner commits (and flushes) itself."""
+        if not (self._active and self._role.copies and self._targets):
+            return
+        try:
+            left = self._pending()
+        except Exception as exc:  # reported, never raised into training
+            log.error("could not look for flushes left pending on %s: %s: %s", self._source.name,
+                      type(exc).__name__, exc)  # fmt: skip
+            return
+        if left:
+            self._spawn(self._resume({(p.step, name) for p in left for name in p.targets}))
+
+    def _pending(self) -> list[PendingFlush]:
+        """The steps on the source tier that one of this flusher's targets is due to receive and lacks."""
+        targets = {t.tier.name for t in self._targets}
+        pending = pending_flushes(self._policies, self._source.name)
+        return [PendingFlush(p.step, p.source, tuple(t for t in p.targets if t in targets)) for p in pending]
+
+    async def _resume(self, left: set[tuple[int, str]]) -> None:
+        """Hold the source tier's writer lock, then flush what is still pending of ``left``, oldest first."""
+        try:
+            claim = await run_blocking(self._pool, claim_tier, self._source.root)
+        except InUseError as exc:  # another process writes the source tier: its runner flushes them
+            log.info("flushes pending on tier %s left to its writer: %s", self._source.name, exc)
+            return
+        except Exception as exc:  # reported, never raised into training
+            log.error("could not take tier %s to resume its flushes: %s: %s", self._source.name,
+                      type(exc).__name__, exc)  # fmt: skip
+            return
+        try:
+            # Another process may have flushed some meanwhile (before this one held the lock): looked at again.
+            pending = await run_blocking(self._pool, self._pending)
+            # A dead writer's partials would take room on a bounded tier; this process's own are locked, so kept.
+            await run_blocking(self._pool, collect_garbage, [self._source], 0.0)
+            targets = {t.tier.name: t for t in self._targets}
+            flushes = []
+            for item in pending:  # oldest first; each target's gate lets them through in this order
+                names = [name for name in item.targets if (item.step, name) in left]
+                if names:
+                    log.info("step %d on %s is due on %s and not there: resuming its flush", item.step,
+                             item.source.name, ", ".join(names))  # fmt: skip
+                flushes += [self._spawn(self._flush(item.step, targets[name], None)) for name in names]
+            await asyncio.gather(*flushes, return_exceptions=True)
+        except Exception as exc:  # reported, never raised into training
+            log.error("resuming the flushes pending on %s failed: %s: %s", self._source.name,
+                      type(exc).__name__, exc)  # fmt: skip
+        finally:
+            claim.release()
 
     async def _published(self, step: int, tier: FilesystemTier, report: MigrateReport | None) -> None:
         """Wait until the other nodes' parts complete ``step`` on ``tier`` (see :class:`FlushRole`)."""

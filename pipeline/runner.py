@@ -147,6 +147,7 @@ class Runner:
         self._metrics_lock = threading.Lock()
         # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
         self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
+        self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group)

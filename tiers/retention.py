@@ -8,7 +8,10 @@ A step is deleted from a tier only if all of these hold:
   flush policy selects and that tier has not received (its flush is pending, running or failed)
   stays where it is. A tier that received a copy and later let it go (its own retention pruned
   it) is no longer due: each copy published on another tier by a flush or a migration is noted
-  in the source copy's directory (a ``received-TIER.json`` receipt, which goes with that copy);
+  in the source copy's directory (a ``received-TIER.json`` receipt, which goes with that copy).
+  Nor is a tier whose flush of that copy can never succeed because the copy itself is damaged
+  (an ``unflushable-TIER.json`` note, written once the damage is confirmed by a verification):
+  the failure is reported once, and the copy goes by its tier's rule instead of being pinned forever;
 - nobody is reading it (restore, migrate, flush, verify, export hold a shared lock; see
   :mod:`tiers.locks`).
 
@@ -35,7 +38,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +50,7 @@ from .policy import FlushPolicy, RetentionPolicy
 from .safeopen import remove, write_durably
 
 RECEIPT_PREFIX = "received-"
+UNFLUSHABLE_PREFIX = "unflushable-"
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,8 @@ def delete_step(tier: FilesystemTier, step: int) -> None:
         shutil.rmtree(doomed)
 
 
-def _receipt(directory: Path, receiver: str) -> Path:
-    return directory / f"{RECEIPT_PREFIX}{receiver}.json"
+def _receipt(directory: Path, receiver: str, prefix: str = RECEIPT_PREFIX) -> Path:
+    return directory / f"{prefix}{receiver}.json"
 
 
 def record_receipt(source: FilesystemTier, step: int, receiver: str) -> None:
@@ -97,9 +101,39 @@ def record_receipt(source: FilesystemTier, step: int, receiver: str) -> None:
     write_durably(_receipt(source.step_dir(step), receiver), json.dumps(body).encode())
 
 
+def record_unflushable(source: FilesystemTier, step: int, receiver: str, problem: str) -> None:
+    """Note in ``source``'s copy of ``step`` that it can never be flushed to ``receiver``: the copy is
+    damaged (``problem`` says where). Retention then no longer pins it for ``receiver``, and nobody
+    tries the flush again; like a receipt, the note goes with the copy."""
+    body = {"tier": receiver, "given_up_at": now_iso(), "problem": problem}
+    write_durably(_receipt(source.step_dir(step), receiver, UNFLUSHABLE_PREFIX), json.dumps(body).encode())
+
+
 def _received(holders: Sequence[FilesystemTier], step: int, receiver: str) -> bool:
-    """Whether tier ``receiver`` has received ``step`` from a copy one of ``holders`` still holds."""
-    return any(_receipt(tier.step_dir(step), receiver).is_file() for tier in holders)
+    """Whether tier ``receiver`` has received ``step`` from a copy one of ``holders`` still holds, or
+    that copy is noted as one it can never receive (damaged)."""
+    return any(
+        _receipt(tier.step_dir(step), receiver, prefix).is_file()
+        for tier in holders
+        for prefix in (RECEIPT_PREFIX, UNFLUSHABLE_PREFIX)
+    )
+
+
+def due_on(
+    policies: TierPolicies, step: int, everyone: Sequence[TierPolicies], holdings: Mapping[str, set[int]]
+) -> list[str]:
+    """The tiers other than ``policies``' own whose flush policy selects ``step`` and that have not
+    received it (nor been given it up as unflushable); ``holdings``: every tier's committed steps."""
+    holders = [p.tier for p in everyone if step in holdings[p.tier.name]]
+    return [
+        other.tier.name
+        for other in everyone
+        if other is not policies
+        and other.flush
+        and other.flush.due(step)
+        and step not in holdings[other.tier.name]
+        and not _received(holders, step, other.tier.name)
+    ]
 
 
 def _hold_reason(
@@ -115,16 +149,7 @@ def _hold_reason(
         return kept
     if step == newest:
         return "the newest checkpoint"
-    holders = [p.tier for p in everyone if step in holdings[p.tier.name]]
-    due = [
-        other.tier.name
-        for other in everyone
-        if other is not policies
-        and other.flush
-        and other.flush.due(step)
-        and step not in holdings[other.tier.name]
-        and not _received(holders, step, other.tier.name)
-    ]
+    due = due_on(policies, step, everyone, holdings)
     if due:
         return f"last copy: due on {', '.join(due)} and not flushed there yet"
     return None
