@@ -103,7 +103,8 @@ def state_text(entry: dict[str, Any]) -> str:
         return f"invalid ({entry['error']})"
     ranks = ", ".join(map(str, entry.get("node_ranks") or []))
     part = f", node {entry['node']}'s part (ranks {ranks})" if entry.get("node") else ""
-    return entry["state"] + (", flushed" if entry.get("flushed") else "") + part
+    pending = f", flush pending ({', '.join(entry['due_on'])})" if entry.get("due_on") else ""
+    return entry["state"] + (", flushed" if entry.get("flushed") else "") + pending + part
 
 
 def _age(seconds: float) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .filesystem import FilesystemTier
 from .format import ManifestError
@@ -65,6 +66,17 @@ def pending_flushes(tiers: Sequence[TierPolicies], source: str | None = None) ->
         if due:
             found.append(PendingFlush(step, holders[0].tier, tuple(due)))
     return found
+
+
+def mark_pending(entries: list[dict[str, Any]], tiers: Sequence[TierPolicies]) -> list[dict[str, Any]]:
+    """``tierstate ls`` entries, each copy a pending flush would start from given ``due_on``: the tiers
+    due to receive it that have not (a crashed run's flushes, or flushes still running)."""
+    due = {(p.source.name, p.step): list(p.targets) for p in pending_flushes(tiers)}
+    for entry in entries:
+        targets = due.get((entry["tier"], entry["step"]))
+        if targets:
+            entry["due_on"] = targets
+    return entries
 
 
 def give_up_if_damaged(source: FilesystemTier, step: int, receiver: str, error: BaseException) -> str | None:

@@ -24,7 +24,7 @@ import pytest
 
 import faultkit
 from faultkit import REPO, matches_step, run_trainer, state_matches, trainer
-from tierstate.pipeline import cli
+from tierstate import cli
 from tierstate.pipeline.config import load_config
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.pending import pending_flushes
@@ -99,13 +99,12 @@ def test_flushes_a_killed_trainer_left_reach_their_tier_and_later_checkpoints_fi
     assert source.partials() == []
 
 
-def _damage(directory: Path) -> None:
-    """Flip a byte in the middle of the first data file's first frame."""
-    data = sorted(directory.glob("*.data"))[0]
-    manifest = json.loads((directory / "manifest.json").read_text())
-    frame = manifest["files"][data.name]["frames"][0]
-    with open(data, "r+b") as f:
-        f.seek(frame["offset"] + frame["length"] // 2)
+def _damage(tier: FilesystemTier, step: int) -> None:
+    """Flip a byte in the middle of the first frame of ``step``'s first data file on ``tier``."""
+    name, record = sorted(tier.manifest(step).files.items())[0]
+    frame = record.frames[0]
+    with open(tier.step_dir(step) / name, "r+b") as f:
+        f.seek(frame.offset + frame.length // 2)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -115,7 +114,7 @@ def test_a_damaged_pending_copy_is_reported_once_and_freed(tmp_path: Path, caplo
     extra = _layout(tmp_path, "nvme")
     unflushed = {**extra, "tiers": {"nvme": {"path": str(tmp_path / "nvme")}}}  # no pfs yet: nothing flushed
     faultkit.write_steps(tmp_path, [1, 2, 3], **unflushed)
-    _damage(_tier(extra, "nvme").step_dir(1))
+    _damage(_tier(extra, "nvme"), 1)
     assert [p.step for p in pending_flushes(_policies(extra))] == [1, 2, 3]
 
     caplog.set_level(logging.INFO, logger="tierstate")
@@ -144,7 +143,7 @@ def test_a_damaged_copy_whose_flush_is_retried_is_noted_only_once_even_if_still_
     does not try it again, and ls no longer lists it as pending."""
     extra = _layout(tmp_path, "nvme")
     faultkit.write_steps(tmp_path, [1], **{**extra, "tiers": {"nvme": {"path": str(tmp_path / "nvme")}}})
-    _damage(_tier(extra, "nvme").step_dir(1))
+    _damage(_tier(extra, "nvme"), 1)
     for attempt in range(2):
         with trainer(tmp_path, **extra) as (runner, _):
             pass
@@ -180,8 +179,13 @@ def test_two_runners_started_on_the_same_tiers_flush_each_pending_step_once(tmp_
     faultkit.write_steps(tmp_path, [1, 2, 3, 4], **{**extra, "tiers": {"nvme": extra["tiers"]["nvme"]}})
     code = _CHILD.format(faults=str(Path(__file__).parent))
     children = [
-        subprocess.Popen([sys.executable, "-c", code, json.dumps(extra), str(tmp_path)], cwd=REPO, text=True,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(extra), str(tmp_path)],
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
         for _ in range(2)
     ]
     for child in children:
@@ -210,11 +214,13 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_ls_shows_pending_flushes_and_tierstate_flush_does_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_shows_pending_flushes_and_tierstate_flush_does_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     extra = _layout(tmp_path, "nvme")
     faultkit.write_steps(tmp_path, [1, 2], **{**extra, "tiers": {"nvme": {"path": str(tmp_path / "nvme")}}})
     config = tmp_path / "tiers.yaml"
-    config.write_text(json.dumps({"tiers": extra["tiers"], "pipeline": {"stages": {"persist": {"tier": "nvme"}}}}))
+    config.write_text(json.dumps({"tiers": extra["tiers"]}))  # persists to its first tier, nvme
 
     code, out = _cli(capsys, "ls", "--config", str(config), "--json")
     assert code == 0

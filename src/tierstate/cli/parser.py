@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-y", "--yes", action="store_true", help="do not ask before deleting")
     only(p)
 
+    f = command(
+        "flush", "copy committed checkpoints due on a later tier (flush.every) and not there, as a restarted "
+        "runner does (e.g. after a crashed job), oldest first and verified; then apply retention", [common],
+    )  # fmt: skip
+    f.add_argument("--bandwidth", metavar="SIZE", help="bytes per second to use at most, e.g. 200MB")
+
     g = command("gc", "remove .partial leftovers older than a bound, and .deleting ones", [common])
     g.add_argument("--older-than", default="1h", metavar="AGE", help="e.g. 30m, 2h, 1d (default 1h)")
     g.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")

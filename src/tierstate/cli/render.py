@@ -15,6 +15,7 @@ from typing import Any
 from ..tiers.catalog import state_text
 from ..tiers.commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
 from ..tiers.migrate import MigrateReport
+from ..tiers.pending import FlushRun
 from ..tiers.retention import Leftover
 from ..tiers.verify import VerifyResult
 from .tables import table
@@ -120,6 +121,22 @@ def pruning(done: Pruning, as_json: bool) -> int:
         lines.append(f"{'would free' if done.dry_run else 'freed'} {size(done.freed)} in all")
     emit(as_json, [{**d.as_dict(), "bytes": done.size(d)} for d in done.decisions], lines or ["nothing to prune"])
     return 0
+
+
+def flushes(run: FlushRun, as_json: bool) -> int:
+    """``tierstate flush``: each pending step's copy (or why it failed), then what retention deleted."""
+    lines = []
+    for outcome in run.outcomes:
+        if outcome.report is not None:
+            lines.append(_migrate_line(outcome.report))
+            continue
+        lines.append(f"step {outcome.step}: {outcome.source} -> {outcome.target}: FAILED: {outcome.error}")
+        if outcome.damaged is not None:
+            lines.append(f"  its copy on {outcome.source} is damaged: noted unflushable, retention may delete it")
+    lines += [f"{d.tier} step {d.step}: deleted ({d.reason})" for d in run.pruned if d.delete]
+    document = {"flushes": [o.as_dict() for o in run.outcomes], "pruned": [d.as_dict() for d in run.pruned]}
+    emit(as_json, document, lines or ["nothing pending: every tier holds the checkpoints due on it"])
+    return 1 if run.failed else 0
 
 
 def prune_question(plan: Pruning) -> str:

@@ -28,6 +28,8 @@ from ..tiers.convert import Format
 from ..tiers.export import ExportFormat
 from ..tiers.format import ManifestError
 from ..tiers.hfdir import MAX_SHARD_SIZE
+from ..tiers.pacing import Pacer
+from ..tiers.pending import flush_by_hand, mark_pending
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import collect_garbage
 from . import options, render
@@ -39,9 +41,11 @@ _BAD_INPUT = (UsageError, ConfigError, ManifestError)
 
 
 def _ls(args: argparse.Namespace) -> int:
-    tiers = [p.tier for p in options.tiers_of(args)]
+    policies = options.tiers_of(args)
+    tiers = [p.tier for p in policies]
     options.must_exist(tiers)
-    return render.checkpoints(commands.list_checkpoints(tiers), [t.name for t in tiers], args.json)
+    entries = mark_pending(commands.list_checkpoints(tiers), policies)
+    return render.checkpoints(entries, [t.name for t in tiers], args.json)
 
 
 def _checkpoint_dir(args: argparse.Namespace) -> Path:
@@ -113,6 +117,13 @@ def _prune(args: argparse.Namespace) -> int:
     return render.pruning(done, args.json)
 
 
+def _flush(args: argparse.Namespace) -> int:
+    tiers = options.tiers_of(args)
+    options.must_exist([p.tier for p in tiers])
+    pacer = Pacer(options.size(args.bandwidth, "--bandwidth")) if args.bandwidth else None
+    return render.flushes(flush_by_hand(tiers, pacer=pacer), args.json)
+
+
 def _gc(args: argparse.Namespace) -> int:
     older_than = options.duration(args.older_than, "--older-than")
     chosen = [p.tier for p in options.select(options.tiers_of(args), args.only, "--only")]
@@ -179,6 +190,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "migrate": _migrate,
     "verify": _verify,
     "prune": _prune,
+    "flush": _flush,
     "gc": _gc,
     "export": _export,
     "import": _import,
