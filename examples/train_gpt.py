@@ -52,6 +52,7 @@ from tierstate.providers import (  # noqa: E402
     RNGProvider,
     StatefulProvider,
     StateProvider,
+    materialize,
 )
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -92,13 +93,24 @@ class Trainer:
     counters: dict[str, int]
 
 
-def build(config: TrainConfig) -> Trainer:
-    """Build the model, optimizer, schedule and data from seeds alone, as a fresh process would."""
+def build(config: TrainConfig, for_restore: bool = False) -> Trainer:
+    """Build the model, optimizer, schedule and data from seeds alone, as a fresh process would.
+
+    ``for_restore``: every value is about to be overwritten by a checkpoint, so the model is built on
+    the meta device (no storage, no random init) and given uninitialised storage (``materialize``,
+    which keeps the tied embedding tied); the optimizer holds no state until the restore brings it.
+    A restore that lacks any value fails before anything is applied, so no garbage is ever trained on.
+    """
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     np.random.seed(config.seed)
-    model = GPT(config.model)
+    if for_restore:
+        with torch.device("meta"):
+            model = GPT(config.model)
+        materialize(model)
+    else:
+        model = GPT(config.model)
     optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
     # OneCycleLR's state_dict is plain numbers, unlike LambdaLR's, which holds code it cannot save.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=config.steps)
@@ -209,8 +221,9 @@ def time_torch_save(trainer: Trainer, path: Path, repeats: int = 3) -> list[floa
 
 
 def resume_and_train(config: TrainConfig, config_path: str | os.PathLike[str], root: Path, step: int) -> dict[str, Any]:
-    """What the fresh process does: build from seeds, restore checkpoint ``step``, train to the end."""
-    trainer = build(config)
+    """What the fresh process does: build (without init: the restore sets every value), restore checkpoint
+    ``step``, train to the end."""
+    trainer = build(config, for_restore=True)
     with make_runner(config_path, root) as runner:
         attach(runner, trainer)
         restored = runner.restore(step)

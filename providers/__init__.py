@@ -4,6 +4,7 @@ from .atomic import ChildRestoreError
 from .base import CheckedProvider, ReadState, RestoreError, StateProvider, fresh_keys, require_keys
 from .composite import CompositeProvider, sub_state
 from .items import SERIALIZERS, Item, ObjectItem, Serializer, ShardInfo, TensorItem
+from .materialize import MetaBufferError, materialize
 from .module import ModuleProvider
 from .objects import ObjectProvider
 from .optimizer import OptimizerProvider
@@ -19,6 +20,7 @@ __all__ = [
     "ChildRestoreError",
     "CompositeProvider",
     "Item",
+    "MetaBufferError",
     "ModuleProvider",
     "ObjectItem",
     "ObjectProvider",
@@ -35,6 +37,7 @@ __all__ = [
     "TensorItem",
     "fresh_keys",
     "join_tensors",
+    "materialize",
     "require_keys",
     "split_tensors",
     "sub_state",

@@ -13,6 +13,7 @@ from .base import RestoreError, shown
 from .dtensor import like_live, tensor_item
 from .fit import misfits, require_fit
 from .items import Changes, Item, ObjectItem, Serializer, TensorBatch
+from .materialize import meta_keys
 from .module_layout import ModuleLayout
 
 DDP_PREFIX = "module."  # what DistributedDataParallel puts before every key of the model it wraps
@@ -96,6 +97,12 @@ class ModuleProvider:
     def check(self, state: Mapping[str, Any]) -> None:
         """The same keys as ``state_dict()``, each tensor of the live shape and dtype; nothing is changed."""
         live = self.module.state_dict()
+        on_meta = meta_keys(live)
+        if on_meta:  # a copy into a meta tensor does nothing: the module would keep no value of the checkpoint
+            raise RestoreError(
+                f"{self._owner}: {len(on_meta)} tensor(s) are on the meta device, with no storage to restore "
+                f"into: {shown(on_meta)}; call tierstate.materialize(module) (or module.to_empty) first"
+            )
         expected, saved = set(live), set(state)
         missing, unexpected = sorted(expected - saved), sorted(saved - expected)
         problems = [f"checkpoint lacks {len(missing)} item(s): {shown(missing)}"] if missing else []

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.providers import (
         ChildRestoreError,
         CompositeProvider,
+        MetaBufferError,
         ModuleProvider,
         ObjectItem,
         ObjectProvider,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
         StateProvider,
         TensorDictProvider,
         TensorItem,
+        materialize,
     )
     from tierstate.tiers.codecs import CodecError
     from tierstate.tiers.commands import UsageError
@@ -71,9 +73,9 @@ _HOMES = {
         "CaptureChangedError", "InvalidStepError", "NothingRegisteredError", "Runner", "RunnerClosedError",
     ),
     "tierstate.providers": (
-        "ChildRestoreError", "CompositeProvider", "ModuleProvider", "ObjectItem", "ObjectProvider",
+        "ChildRestoreError", "CompositeProvider", "MetaBufferError", "ModuleProvider", "ObjectItem", "ObjectProvider",
         "OptimizerProvider", "RestoreError", "RNGProvider", "ShardInfo", "StatefulProvider", "StateProvider",
-        "TensorDictProvider", "TensorItem",
+        "TensorDictProvider", "TensorItem", "materialize",
     ),
     "tierstate.tiers.codecs": ("CodecError",),
     "tierstate.tiers.commands": ("UsageError",),
@@ -123,6 +125,7 @@ __all__ = [
     "InUseError",
     "InvalidStepError",
     "ManifestError",
+    "MetaBufferError",
     "MigrateError",
     "MissingItemError",
     "ModuleProvider",
@@ -155,5 +158,6 @@ __all__ = [
     "__version__",
     "load",
     "load_config",
+    "materialize",
     "read_manifest",
 ]
