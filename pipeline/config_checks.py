@@ -7,6 +7,9 @@ them at once, so one edit fixes them all. The stage graph's own checks are in pi
 
 from __future__ import annotations
 
+import importlib.util
+
+from ..tiers.hdf5_extra import HDF5_NEEDS_H5PY
 from .config_schema import ConfigSchema, PersistStage
 from .stage_graph import chain_problems
 
@@ -38,7 +41,7 @@ def semantic_problems(config: ConfigSchema) -> list[tuple[str, str]]:
 
 def _tier_format_problems(config: ConfigSchema) -> list[tuple[str, str]]:
     """A flush into the tier being persisted to would copy a checkpoint onto itself; HDF5 datasets
-    are stored raw, so they cannot take compressed chunks."""
+    are stored raw, so they cannot take compressed chunks; and HDF5 is written with h5py, an extra."""
     problems = []
     persist = config.stage_of_kind("persist")
     if persist is not None and persist.tier in config.tiers and config.tiers[persist.tier].flush is not None:
@@ -53,6 +56,9 @@ def _tier_format_problems(config: ConfigSchema) -> list[tuple[str, str]]:
             f"pipeline.stages.{name}.codec",
             "format hdf5 stores datasets uncompressed; set codec: none (or use format: frames)",
         ))
+    if persist is not None and persist.format == "hdf5" and importlib.util.find_spec("h5py") is None:
+        name = next(n for n, s in config.pipeline.stages.items() if s is persist)
+        problems.append((f"pipeline.stages.{name}.format", HDF5_NEEDS_H5PY))
     return problems
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -83,9 +84,12 @@ def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unr
     assert {f"tierstate/configs/{name}.yaml" for name in ("default", "tiered", "compressed", "cluster")} <= set(names)
     assert {"tierstate/py.typed", f"tierstate-{tierstate.__version__}.dist-info/licenses/LICENSE"} <= set(names)
     metadata = zipfile.ZipFile(wheel).read(f"tierstate-{tierstate.__version__}.dist-info/METADATA").decode()
-    for field in ("License-Expression: Apache-2.0", "Requires-Dist: torch>=2.5", "Classifier: Typing :: Typed",
-                  "Classifier: Programming Language :: Python :: 3.11"):  # fmt: skip
+    fields = ("License-Expression: Apache-2.0", "Requires-Dist: torch>=2.5", "Classifier: Typing :: Typed",
+              "Classifier: Programming Language :: Python :: 3.11", "Project-URL: Paper, https://",
+              'Requires-Dist: h5py>=3.8; extra == "hdf5"', 'Requires-Dist: ruff>=0.5; extra == "lint"')  # fmt: skip
+    for field in fields:
         assert field in metadata
+    assert "Requires-Dist: h5py>=3.8\n" not in metadata  # an extra: only writing HDF5 needs it
     subprocess.run([*pip, "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=600)  # fmt: skip
 
@@ -144,6 +148,33 @@ def test_the_wheel_in_a_fresh_venv_imports_with_the_repository_root_as_working_d
     assert run("-m", "tierstate", "--version") == f"tierstate {tierstate.__version__}\n"
     (tmp_path / "nvme").mkdir()
     assert run("-m", "tierstate", "ls", "--tier", f"nvme={tmp_path / 'nvme'}") == "no checkpoints on nvme\n"
+
+
+@pytest.mark.slow
+def test_the_sdist_ships_no_partial_test_suite_and_builds_the_wheel(tmp_path: Path) -> None:
+    """The sdist once held tests/test_*.py without their conftest: a suite that could only fail. It holds
+    none now (MANIFEST.in), and everything a wheel is built from."""
+    tree, tools, dist = tmp_path / "tree", tmp_path / "tools", tmp_path / "dist"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):  # the files a fresh clone has
+        if (REPO / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            (tree / name).write_bytes((REPO / name).read_bytes())
+    # The setuptools pyproject.toml asks for, as an isolated build has it (not the venv's).
+    subprocess.run([*PIP, "install", "--quiet", "--target", str(tools), "setuptools>=77"],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    build = f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"
+    done = subprocess.run([sys.executable, "-c", build], cwd=tree, env={**os.environ, "PYTHONPATH": str(tools)},
+                          capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+    sdist = dist / done.stdout.split()[-1]
+    with tarfile.open(sdist) as archive:
+        names = [name.split("/", 1)[1] for name in archive.getnames() if "/" in name]
+    assert not [name for name in names if name.startswith("tests")]
+    assert {"src/tierstate/cli/__init__.py", "pipeline/runner.py", "configs/default.yaml", "LICENSE"} <= set(names)
+    subprocess.run([*PIP, "wheel", "--quiet", "--no-deps", "-w", str(dist), str(sdist)],
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    [wheel] = dist.glob("tierstate-*.whl")
+    assert {"tierstate/cli/__init__.py", "tierstate/configs/default.yaml"} <= set(zipfile.ZipFile(wheel).namelist())
 
 
 def test_the_facade_names_each_public_name_once_for_the_interpreter_and_for_type_checkers() -> None:

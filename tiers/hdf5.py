@@ -15,6 +15,8 @@ HDF5 has no bfloat16, float8 or sub-byte integer types. Those tensors are stored
 an unsigned integer dataset of the same element size (uint16 for bfloat16) with the tensor's shape,
 ``dtype`` naming the real type and ``raw`` set to true; ``x.view(torch.bfloat16)`` on the values
 read back restores them.
+
+h5py is an optional dependency, imported when a container is first made (tiers/hdf5_extra.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from tierstate.errors import TierstateError
@@ -34,6 +35,7 @@ from .container import Chunk, ItemPiece, Layout
 from .dtypes import dtype_from_name
 from .format import FileRecord, ShardRecord, piece_body
 from .framefile import FrameFile
+from .hdf5_extra import h5py_module
 from .safeopen import check_absent
 
 FORMAT_ATTR = "tierstate-hdf5"
@@ -101,7 +103,7 @@ class Hdf5Container:
             check_absent(path)  # a clear error first; HDF5's own O_EXCL closes the race
         # Datasets of at least `align` bytes start at multiples of it: O_DIRECT-friendly, like frames.
         mode = "w" if replace else "x"
-        self._h5 = h5py.File(path, mode, alignment_threshold=align, alignment_interval=align)
+        self._h5 = h5py_module().File(path, mode, alignment_threshold=align, alignment_interval=align)
         self.path = path
         self.name = path.name
         self._offsets: dict[str, int | None] = {}
@@ -153,6 +155,7 @@ class Hdf5Container:
 
     def _create(self, key: str, shape: tuple[int, ...], dtype: np.dtype, attrs: Mapping[str, Any]) -> None:
         self._check_key(key)
+        h5py = h5py_module()
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
         dcpl.set_layout(h5py.h5d.CONTIGUOUS)
         dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -139,3 +141,58 @@ def test_migrate_to_hdf5_then_restore_from_it(make_runner, tmp_path):
         t.reshape(-1).view(torch.uint8).fill_(0)
     assert runner.restore(2).tier == "pfs"
     assert all(_bytes(tensors[k]) == v for k, v in expected.items())
+
+
+# --- h5py, an optional dependency -----------------------------------------------------------------
+H5PY_PROBE = """
+import sys, tempfile
+import torch
+{hide}
+from tierstate import ConfigError, Runner, TensorDictProvider
+root = tempfile.mkdtemp()
+tiers = {{"nvme": {{"path": root + "/nvme"}}}}
+state = {{"w": torch.arange(4.0)}}
+runner = Runner.from_dict({{"tiers": tiers}})
+runner.register(t=TensorDictProvider(state))
+runner.checkpoint(1).result()
+state["w"].zero_()
+runner.restore("latest")
+runner.close()
+print("restored", state["w"].tolist(), "h5py loaded:", sys.modules.get("h5py") is not None)
+hdf5 = {{"tiers": tiers, "pipeline": {{"stages": {{
+    "capture": {{"next": "serialize"}}, "serialize": {{"next": "persist"}}, "persist": {{"format": "hdf5"}}}}}}}}
+try:
+    Runner.from_dict(hdf5).close()
+    print("hdf5 runner made, h5py loaded:", sys.modules.get("h5py") is not None)
+except ConfigError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_only_writing_hdf5_needs_h5py(installed: bool) -> None:
+    """A runner writing frames never imports h5py (0.1 s, an optional extra); a config that asks for
+    HDF5 without it is refused when it loads, naming the key and the extra."""
+    hide = "" if installed else "sys.modules['h5py'] = None  # as if not installed"
+    done = subprocess.run([sys.executable, "-c", H5PY_PROBE.format(hide=hide)], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "restored [0.0, 1.0, 2.0, 3.0] h5py loaded: False"
+    if installed:
+        assert lines[1] == "hdf5 runner made, h5py loaded: False"  # not even then, until it writes
+    else:
+        assert lines[1] == (
+            "refused: <config>: pipeline.stages.persist.format: format hdf5 is written with h5py, which is not "
+            "installed: pip install 'tierstate[hdf5]'"
+        )
+
+
+def test_writing_hdf5_without_h5py_fails_naming_the_extra(tmp_path, monkeypatch) -> None:
+    from tierstate.tiers.hdf5 import Hdf5Container
+    from tierstate.tiers.hdf5_extra import Hdf5UnavailableError
+
+    monkeypatch.setitem(sys.modules, "h5py", None)
+    with pytest.raises(Hdf5UnavailableError, match=r"pip install 'tierstate\[hdf5\]'"):
+        Hdf5Container(tmp_path / "x.h5", 4096, {})
+    assert issubclass(Hdf5UnavailableError, ImportError) and not (tmp_path / "x.h5").exists()
