@@ -1,5 +1,5 @@
-"""What ``tierstate ls`` and ``inspect`` say about checkpoints: a manifest's summary and item rows,
-and beyond the manifest, verified or damaged, flushed, and leftovers."""
+"""What ``tierstate ls`` and ``inspect`` know about checkpoints: a manifest's summary and item rows,
+and beyond the manifest, verified or damaged, flushed, and leftovers; as data (the CLI words them)."""
 
 from __future__ import annotations
 
@@ -92,23 +92,3 @@ def invalid_entries(tier: FilesystemTier) -> list[dict[str, Any]]:
         step = e.step if e.named_as_checkpoint else e.path.name
         entries.append({"tier": tier.name, "step": step, "state": "invalid", "error": str(e)})
     return entries
-
-
-def state_text(entry: dict[str, Any]) -> str:
-    """The state column of the ls table: e.g. ``verified, flushed``, ``partial (5 min old)`` or
-    ``invalid (manifest.json: missing ...)``."""
-    if entry["state"] in ("partial", "deleting"):
-        return f"{entry['state']} ({_age(entry['age_s'])} old)"
-    if entry["state"] == "invalid":
-        return f"invalid ({entry['error']})"
-    ranks = ", ".join(map(str, entry.get("node_ranks") or []))
-    part = f", node {entry['node']}'s part (ranks {ranks})" if entry.get("node") else ""
-    pending = f", flush pending ({', '.join(entry['due_on'])})" if entry.get("due_on") else ""
-    return entry["state"] + (", flushed" if entry.get("flushed") else "") + pending + part
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * size:
-            return f"{seconds / size:.0f} {unit}"
-    return f"{seconds:.0f} s"

@@ -12,7 +12,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..tiers.catalog import state_text
 from ..tiers.commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
 from ..tiers.migrate import MigrateReport
 from ..tiers.pending import FlushRun
@@ -36,6 +35,26 @@ def rate(nbytes: int, seconds: float) -> str:
 
 
 # --- ls and inspect -----------------------------------------------------------------------------
+def state_text(entry: dict[str, Any]) -> str:
+    """The state column of the ls table: e.g. ``verified, flushed``, ``partial (5 min old)`` or
+    ``invalid (manifest.json: missing ...)``."""
+    if entry["state"] in ("partial", "deleting"):
+        return f"{entry['state']} ({_age(entry['age_s'])} old)"
+    if entry["state"] == "invalid":
+        return f"invalid ({entry['error']})"
+    ranks = ", ".join(map(str, entry.get("node_ranks") or []))
+    part = f", node {entry['node']}'s part (ranks {ranks})" if entry.get("node") else ""
+    pending = f", flush pending ({', '.join(entry['due_on'])})" if entry.get("due_on") else ""
+    return entry["state"] + (", flushed" if entry.get("flushed") else "") + pending + part
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def checkpoints(entries: list[dict[str, Any]], tier_names: Sequence[str], as_json: bool) -> int:
     if as_json:
         emit(True, entries, [])
