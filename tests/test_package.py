@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import subprocess
 import sys
@@ -78,3 +79,51 @@ def test_python_dash_m_tierstate_runs_the_cli(tmp_path: Path) -> None:
                           cwd=tmp_path, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "migrate" in proc.stdout
+
+
+def _library_modules() -> dict[str, Path]:
+    """Every module of the installed package by its dotted name, from the source tree."""
+    roots = {"tierstate": REPO / "src" / "tierstate", "tierstate.pipeline": REPO / "pipeline",
+             "tierstate.providers": REPO / "providers", "tierstate.tiers": REPO / "tiers"}  # fmt: skip
+    modules = {}
+    for package, root in roots.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if package == "tierstate" and parts[0] in ("pipeline", "providers", "tiers"):
+                continue  # pyright's links to the three folders, when they are there
+            modules[".".join((package, *parts)).removesuffix(".__init__")] = path
+    return modules
+
+
+def _imported(name: str, path: Path) -> set[str]:
+    """The tierstate modules ``path`` (module ``name``) imports, anywhere in it, relative imports resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {module for module in found if module.startswith("tierstate")}
+
+
+def test_the_cli_alone_prints_and_nothing_below_it_imports_it() -> None:
+    """All of the library's output is the CLI's (src/tierstate/cli/); the commands it runs return data.
+    Only the entry points import the CLI, so no package reaches upward into it."""
+    modules = _library_modules()
+    assert "tierstate.cli.run" in modules and "tierstate.pipeline.runner" in modules
+    printing = sorted(
+        name for name, path in modules.items() if not name.startswith("tierstate.cli")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+    )  # fmt: skip
+    assert printing == []
+    imports = {name: _imported(name, path) for name, path in modules.items()}
+    into_cli = sorted(name for name, found in imports.items() if not name.startswith("tierstate.cli")
+                      and any(m == "tierstate.cli" or m.startswith("tierstate.cli.") for m in found))  # fmt: skip
+    assert into_cli == ["tierstate.__main__"]
+    layers = ("tierstate.pipeline", "tierstate.tiers", "tierstate.providers")
+    upward = sorted(name for name, found in imports.items() if name.startswith(layers) and "tierstate" in found)
+    assert upward == []  # nothing the facade exports takes a name (__version__ once did) from the facade
