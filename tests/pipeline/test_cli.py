@@ -124,15 +124,17 @@ def _tierstate(*args: str, cwd: Path | None = None) -> subprocess.CompletedProce
                           timeout=300, check=False)  # fmt: skip
 
 
-def _on_terminal(args: list[str], answer: str | None = None, columns: int = 72) -> tuple[int, str]:
+def _on_terminal(
+    args: list[str], answer: str | None = None, columns: int = 72, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """``python -m tierstate ARGS`` on a pseudo-terminal ``columns`` wide (stdin, stdout and stderr), as a
     person runs it; ``answer`` is typed once a question ending in ``[y/N]`` shows. The exit code, and
     what the terminal showed (line ends as ``\\n``, colours removed)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: size the terminal, then become the CLI
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # e.g. set by pytest
-        os.execve(sys.executable, [sys.executable, "-m", "tierstate", *args], env)
+        inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # e.g. set by pytest
+        os.execve(sys.executable, [sys.executable, "-m", "tierstate", *args], {**inherited, **(env or {})})
     shown, asked = b"", False
     while True:
         ready, _, _ = select.select([fd], [], [], 300)
@@ -241,15 +243,17 @@ def test_on_a_terminal_tables_fold_long_cells_and_cut_nothing(make_runner, tmp_p
     assert f"model/{key}" in cells
 
 
-@pytest.mark.parametrize("columns", [40, 150])
-def test_on_a_narrow_terminal_no_value_is_folded_mid_word(make_runner, tmp_path, columns) -> None:
+@pytest.mark.parametrize(("columns", "env"), [(40, None), (150, None), (150, {"COLUMNS": "40"})])
+def test_on_a_narrow_terminal_no_value_is_folded_mid_word(make_runner, tmp_path, columns, env) -> None:
     """``commit/ted``: rich narrowed every column evenly and broke short words. A word that fits the
-    terminal is shown whole, in a table while one fits, else as ``column: value`` lines."""
+    terminal is shown whole, in a table while one fits, else as ``column: value`` lines. ``COLUMNS``
+    set in the environment counts as the terminal's width."""
     runner = make_runner(chunk_size="1MiB", host_cache__size="4MiB")
     runner.register(model=TensorDictProvider({"weight": torch.zeros(8)}))
     runner.checkpoint(7).result()
     manifest = read_manifest(tmp_path / "nvme" / "step-7")
-    code, shown = _on_terminal(["ls", "--tier", f"nvme={tmp_path / 'nvme'}"], columns=columns)
+    code, shown = _on_terminal(["ls", "--tier", f"nvme={tmp_path / 'nvme'}"], columns=columns, env=env)
+    columns = int((env or {}).get("COLUMNS", columns))
     assert code == 0 and "…" not in shown
     assert all(len(line) <= columns for line in shown.splitlines()), shown
     words = set(re.findall(r"[^\s│┃┡┩━─┏┓┗┛┌┐└┘╇╈┳┻╋]+", shown))
