@@ -310,3 +310,15 @@ def test_output_into_a_pipe_closed_early_ends_quietly(make_runner, tmp_path) -> 
                           stderr=subprocess.PIPE, text=True, timeout=300, check=False)  # fmt: skip
     os.close(write)
     assert done.returncode == 141 and done.stderr == ""
+
+
+@pytest.mark.parametrize("columns", [40, 150])
+def test_on_a_terminal_cells_are_shown_as_written_not_as_markup(make_runner, tmp_path, columns) -> None:
+    """rich reads ``[...]`` in a string as markup: a key ``w[bold]`` lost its bracket and ``[/x]`` crashed it."""
+    keys = ["w[bold]", "v[/x]"]
+    runner = make_runner(chunk_size="1MiB", host_cache__size="4MiB")
+    runner.register(m=TensorDictProvider({key: torch.zeros(2) for key in keys}))
+    runner.checkpoint(7).result()
+    code, shown = _on_terminal(["inspect", "7", "--tier", f"nvme={tmp_path / 'nvme'}"], columns=columns)
+    assert code == 0, shown
+    assert all(f"m/{key}" in shown for key in keys), shown

@@ -5,7 +5,8 @@ table is too wide and so folds short words (``commit`` / ``ted``). Here a column
 than its longest word, and what is left goes to the columns whose cells hold several words. Only a
 word longer than the terminal itself (a long tensor key) is folded, in any layout. Where the
 terminal is too narrow for such a table, each row is shown as ``column: value`` lines. Piped or
-redirected, rows are plain padded lines, whole, for grep and awk. Nothing is ever cut.
+redirected, rows are plain padded lines, whole, for grep and awk. Nothing is ever cut, and cells are
+shown as written (never read as rich markup: a key ``w[bold]`` or a path ``[/x]`` is text).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Collection, Sequence
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 # Each column costs a border and a space either side; the table one border more.
 _BORDER, _PADDING = 1, 2
@@ -40,18 +42,18 @@ def table(title: str | None, names: Sequence[str], rows: Sequence[Sequence[str]]
     widths = column_widths(names, rows, console.width)
     if widths is None:  # too narrow for a table: each row as lines of `column: value`
         if title:
-            console.print(title, highlight=False)
+            console.print(Text(title))
         for index, row in enumerate(rows):
             if index or title:
                 console.print()
             for name, cell in zip(names, row, strict=True):
-                console.print(f"{name}: {cell}", overflow="fold", highlight=False)
+                console.print(Text(f"{name}: {cell}"), overflow="fold")
         return
-    drawn = Table(title=title)
+    drawn = Table(title=Text(title) if title else None)
     for name, width in zip(names, widths, strict=True):
         drawn.add_column(name, justify="right" if name in right else "left", overflow="fold", width=width)
     for row in rows:
-        drawn.add_row(*row)
+        drawn.add_row(*map(Text, row))  # as written: a key or path with [brackets] is no rich markup
     console.print(drawn)
 
 
