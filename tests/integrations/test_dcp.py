@@ -189,3 +189,46 @@ def test_two_rank_saves_both_ways_shards_as_dcp_chunks_and_dtensor_chunks_import
 
 def build_linear() -> torch.nn.Module:
     return torch.nn.Linear(5, 3)
+
+
+class _RunsCode:
+    """A forged DCP .metadata: unpickling it calls ``open(marker, "w")``, i.e. runs code of the file's choosing."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_forged_dcp_metadata_is_never_unpickled(tmp_path: Path) -> None:
+    source = tmp_path / "forged"
+    dcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id=str(source))
+    marker = tmp_path / "code-ran"
+    import pickle
+
+    (source / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    command = [sys.executable, "-m", "tierstate", "import", str(source), "--to", "nvme", "--step", "1"]
+    done = subprocess.run(
+        [*command, "--tier", f"nvme={tmp_path / 't'}"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert not marker.exists(), "the forged .metadata ran code"
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # one line, no traceback logged by torch
+    assert ".metadata: refused: it names io.open" in lines[0] and "--allow-pickle" in lines[0]
+    assert not (tmp_path / "t" / "step-1").exists()
+
+
+def test_dcp_metadata_of_real_saves_reads_through_the_restricted_unpickler(tmp_path: Path) -> None:
+    model, optimizer, scheduler = build()
+    train(model, optimizer, scheduler, 1)
+    state = {
+        "model": {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "s": scheduler.state_dict(),
+        "extra": {"ints": [1, 2], "f": 0.5, "name": "x", "none": None, "i8": torch.arange(3, dtype=torch.int8)},
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "d"))
+    tier = f"nvme={tmp_path / 't'}"
+    assert main(["import", str(tmp_path / "d"), "--to", "nvme", "--step", "1", "--tier", tier]) == 0

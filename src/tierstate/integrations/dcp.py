@@ -27,6 +27,7 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -46,6 +47,7 @@ from ..tiers.multirank import rank_view
 from ..tiers.objcodec import ObjectCodecError
 from ..tiers.reader import read_items
 from ..tiers.reshard import Region, read_regions
+from .dcp_metadata import ForbiddenGlobalError, restricted_reader
 from .layout import LAYOUTS, Layout, ValueProvider, describe, group_by_name, layout_of, rebuild, serializer_for
 
 LAYOUT_FILE = "tierstate.json"
@@ -243,17 +245,32 @@ def read_dcp(
 
     if not (source / ".metadata").is_file():
         raise DcpError(f"{source}: not a DCP checkpoint (no .metadata file)")
+    reader = FileSystemReader(source) if allow_pickle else _restricted_reader(source)
     planner = _whole_load_planner(allow_pickle)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         with _unwrapped(f"{source}: DCP load"):
-            load({}, storage_reader=FileSystemReader(source), planner=planner, no_dist=True)
+            load({}, storage_reader=reader, planner=planner, no_dist=True)
     state = _gather_root_tensors(
         {str(k): _optimizer_indices(v) for k, v in planner.original_state_dict.items()}, root_name, source
     )
     recorded = _recorded_layouts(source)
     layouts: dict[str, Layout] = {name: recorded.get(name) or layout_of(value) for name, value in state.items()}
     return state, layouts
+
+
+def _restricted_reader(source: Path) -> Any:
+    """DCP's reader over ``source`` with its ``.metadata`` read by the restricted unpickler, or a
+    DcpError naming the file and what it asked for (a forged one would run code under plain pickle)."""
+    try:
+        return restricted_reader(source)
+    except ForbiddenGlobalError as exc:
+        raise DcpError(
+            f"{source / '.metadata'}: refused: it names {exc}, which DCP's metadata never holds "
+            "(unpickling it would run code); import a checkpoint you trust with --allow-pickle"
+        ) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as exc:
+        raise DcpError(f"{source / '.metadata'}: not DCP metadata ({exc})") from None
 
 
 def _gather_root_tensors(state: dict[str, Any], root_name: str, source: Path) -> dict[str, Any]:
