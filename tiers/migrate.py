@@ -42,7 +42,7 @@ from .pacing import Pacer
 from .reader import CorruptCheckpointError
 from .retention import delete_step, record_receipt
 from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
-from .verify import verify_directory, write_stamp
+from .verify import frame_problem, index_problem, verify_directory, write_stamp
 
 Progress = Callable[[int], None]
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
@@ -154,14 +154,14 @@ class _Copy:
             os.close(src)
 
     def _frame(self, src: int, dst: int, frame: FrameRecord, source: str, target: Path) -> None:
-        """Copy one frame, then read it back from the target and check it; ``source`` names it."""
+        """Verify one frame in the source as verify and restore would (checksum, then decoding), copy
+        it, then read it back from the target and check it; ``source`` names it. Nothing of a frame is
+        written before it is verified: a forged frame over a sparse hole claims gigabytes for free."""
+        problem = frame_problem(src, frame, source)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{source}: {problem}; not migrating it")
         self.copier.copy(src, dst, frame.offset, frame.length, source)
         if hash_range(dst, frame.offset, frame.length) != frame.checksum:
-            actual = hash_range(src, frame.offset, frame.length)
-            if actual != frame.checksum:
-                raise CorruptCheckpointError(
-                    f"{source}: checksum mismatch (expected {frame.checksum}, got {actual}); not migrating it"
-                )
             raise MigrateError(f"{target}: bytes read back after copying {source} differ from the source's")
         self.report.frames_copied += 1
         self.report.bytes_copied += frame.length
@@ -170,7 +170,8 @@ class _Copy:
             self.pacer.wait(frame.length)
 
     def small_file(self, source: Path, target: Path, digest: str) -> None:
-        """An index: whole-file checksum, copied whole unless the target already has it right."""
+        """An index: whole-file checksum, then parsed as restore-side recovery would (bounded nesting,
+        the one-rank manifest it amounts to); copied whole unless the target already has it right."""
         try:
             if checksum(read_bytes(target)) == digest:
                 return
@@ -179,6 +180,9 @@ class _Copy:
         data = read_bytes(source)
         if checksum(data) != digest:
             raise CorruptCheckpointError(f"{source}: checksum mismatch (expected {digest}, got {checksum(data)})")
+        problem = index_problem(data, str(source))
+        if problem is not None:
+            raise CorruptCheckpointError(f"{problem}; not migrating it")
         write_durably(target, data)
 
 
@@ -200,10 +204,10 @@ def _copy_all(
 ) -> Manifest:
     """Same format: resume or start the frame-by-frame copy; the manifest to publish is the source's."""
     copy = _Copy(report, pacer, progress)
+    for name, digest in sorted(manifest.indexes.items()):  # small and checked whole: a bad one fails first
+        copy.small_file(source_dir / name, partial / name, digest)
     for name, record in sorted(manifest.files.items()):
         copy.data_file(source_dir / name, partial / name, record)
-    for name, digest in sorted(manifest.indexes.items()):
-        copy.small_file(source_dir / name, partial / name, digest)
     return manifest
 
 

@@ -264,6 +264,21 @@ def _decode_into(
         position += len(block)
 
 
+def decoding_problem(fd: int, frame: FrameRecord, where: str) -> str | None:
+    """Why a frame whose stored bytes verified does not decode to the ``raw_length`` its record
+    states, or None when it does: the check a restore makes on the bytes it decodes, run to the
+    frame's end for verify and migrate (a re-signed zstd frame can state 1 KiB and expand to 4 GiB).
+    Streaming: memory is one block, however far the frame expands."""
+    if frame.codec == "none":
+        return None
+    try:
+        for _block in zstd_blocks(_StoredStream(fd, frame.offset, frame.length, where), frame.raw_length):
+            pass
+    except CodecError as exc:
+        return str(exc)
+    return None
+
+
 def _unreadable(exc: OSError, where: str) -> TierError:
     return TierError(exc.errno, f"{where}: cannot read: {exc.strerror or exc}")
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .filesystem import FilesystemTier, InvalidEntry
-from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso
+from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso, parse_index
 from .framefile import hash_range
 from .locks import reading
+from .pieces import decoding_problem
 from .safeopen import UnsafeFileError, open_read, read_bytes, remove, write_durably
 
 STAMP_NAME = "verified.json"
@@ -43,14 +44,27 @@ class Problem:
         return f"{where}: {self.message}"
 
 
-def frame_problem(fd: int, frame: FrameRecord) -> str | None:
-    """Why the frame's bytes in ``fd`` are not the ones its checksum names, or None when they are."""
+def frame_problem(fd: int, frame: FrameRecord, where: str = "") -> str | None:
+    """Why the frame in ``fd`` is not what its record says, or None when it is: its stored bytes
+    are the ones its checksum names, and they decode to its raw length as a restore would decode
+    them (checked in that order: nothing is decoded before it is verified)."""
     actual = hash_range(fd, frame.offset, frame.length)
     span = f"bytes {frame.offset}..{frame.offset + frame.length}"
     if actual is None:
         return f"{span}: truncated"
     if actual != frame.checksum:
         return f"{span}: checksum mismatch (expected {frame.checksum}, got {actual})"
+    decoded = decoding_problem(fd, frame, where or span)
+    return None if decoded is None else f"{span}: {decoded}"
+
+
+def index_problem(data: bytes, name: str) -> str | None:
+    """Why an index whose checksum matched is not one (undecodable, nested beyond bounds, not the
+    one-rank manifest it must amount to), or None when it is."""
+    try:
+        parse_index(data, name)
+    except ManifestError as exc:
+        return str(exc)
     return None
 
 
@@ -84,7 +98,8 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
             os.close(fd)
     for name, digest in sorted(manifest.indexes.items()):
         try:
-            actual = checksum(read_bytes(directory / name))
+            data = read_bytes(directory / name)
+            actual = checksum(data)
         except (FileNotFoundError, UnsafeFileError) as exc:
             problems.append(Problem(name, None, _unreadable(exc)))
             continue
@@ -93,6 +108,8 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
             continue
         if actual != digest:
             problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
+        elif problem := index_problem(data, name):
+            problems.append(Problem(name, None, problem))
     return problems
 
 

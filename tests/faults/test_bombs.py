@@ -289,3 +289,74 @@ def test_four_thousand_column_shards_list_and_load_in_bounded_time(tmp_path: Pat
     started = time.perf_counter()
     assert torch.equal(load(tmp_path / "nvme" / "step-1")["w"], whole)
     assert time.perf_counter() - started < 10
+
+
+# --- verify and migrate check what restore checks, before a byte is written ------------------------
+
+
+def _cli_on_tiers(root: Path, *args: str) -> subprocess.CompletedProcess:
+    tiers = [f"--tier={name}={root / name}" for name in ("nvme", "pfs")]
+    return subprocess.run(
+        [sys.executable, "-m", "tierstate", *args, *tiers], capture_output=True, text=True, timeout=CHILD_TIMEOUT
+    )
+
+
+def _allocated(directory: Path) -> int:
+    """Bytes the files under ``directory`` hold on disk (holes not counted)."""
+    return sum(p.stat().st_blocks * 512 for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _refused_everywhere(root: Path, step: int, why: str) -> None:
+    """``verify`` reports ``why`` for ``step``; ``migrate`` refuses it, leaving no copy and no bytes."""
+    verified = _cli_on_tiers(root, "verify", str(step), "--only", "nvme")
+    assert verified.returncode == 1 and why in verified.stdout, verified
+    migrated = _cli_on_tiers(root, "migrate", str(step), "--from", "nvme", "--to", "pfs")
+    assert migrated.returncode == 1 and why in migrated.stdout + migrated.stderr, migrated
+    assert "Traceback" not in migrated.stderr
+    assert not (root / "pfs" / f"step-{step}").exists()
+    assert _allocated(root / "pfs") < 1 << 20, "migrate wrote bytes of a frame it had not verified"
+
+
+def test_migrate_verifies_a_frame_before_writing_a_byte_of_it(tmp_path: Path) -> None:
+    """The 44 KB forgery of a 64 GiB frame over a hole (its checksum the original one): migrate used to
+    copy gigabytes into the target before it found the mismatch."""
+    write_steps(tmp_path, [1, 2])
+    step2 = tmp_path / "nvme" / "step-2"
+
+    def edit(body: dict[str, Any]) -> None:
+        frame = _frame_of(body, "t/c")
+        _grow_frame(body, frame, 64 * GiB, 64 * GiB)
+        original = (step2 / DATA).read_bytes()[frame["offset"] :][: 1 << 20]
+        _splice(step2, frame["offset"], len(original), original, 64 * GiB)
+
+    _forge(step2, edit)
+    _refused_everywhere(tmp_path, 2, "checksum mismatch")
+
+
+def test_a_zstd_frame_that_decodes_beyond_its_stated_size_fails_verify_and_migrate(tmp_path: Path) -> None:
+    """Stored bytes re-signed, a frame that says it holds the item's bytes but decodes to 4 GiB: restore
+    refuses it (zstd decodes to more than the manifest says); verify and migrate must too."""
+    write_steps(tmp_path, [1, 2], pipeline__stages__compress__codec="zstd")
+    step2 = tmp_path / "nvme" / "step-2"
+    item = expected(2)["c"].view(torch.uint8).numpy().tobytes()
+
+    def edit(body: dict[str, Any]) -> None:
+        frame = _frame_of(body, "t/c")
+        bomb = _zstd_bomb([item], 4 * GiB)
+        old_length, stated = frame["length"], frame["raw_length"]
+        _grow_frame(body, frame, len(bomb), stated)
+        frame.update(shuffle=1, checksum=checksum(bomb))
+        _splice(step2, frame["offset"], old_length, bomb, len(bomb))
+
+    _forge(step2, edit)
+    _refused_everywhere(tmp_path, 2, "decodes to more than")
+
+
+def test_a_deeply_nested_index_fails_verify_and_migrate(tmp_path: Path) -> None:
+    """An index of 100,000 nested msgpack arrays, its checksum re-signed in the manifest."""
+    write_steps(tmp_path, [1, 2])
+    step2 = tmp_path / "nvme" / "step-2"
+    deep = b"\x91" * 100_000 + b"\xc0"
+    (step2 / "rank-00000.index").write_bytes(deep)
+    _forge(step2, lambda body: body["indexes"].update({"rank-00000.index": checksum(deep)}))
+    _refused_everywhere(tmp_path, 2, "rank-00000.index")
