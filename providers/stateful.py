@@ -59,7 +59,23 @@ class StatefulProvider:
 
     def _loadable(self, state_dict: Any) -> Any:
         """The state dict as ``load_state_dict`` is handed it; subclasses may adapt what it reads."""
-        return state_dict
+        return with_dropped_lambdas(self.obj, state_dict)
 
     def _after_load(self, state: Mapping[str, Any]) -> None:
         """Hook run after a successful ``load_state_dict``; ``state`` is what restore received."""
+
+
+def with_dropped_lambdas(obj: object, state_dict: Any) -> Any:
+    """A LambdaLR/MultiplicativeLR state that came through PyTorch DCP, made loadable again.
+
+    torch saves one entry per lambda in ``lr_lambdas``: None for a function, the ``__dict__`` of any
+    other callable, which for a ``functools.partial`` (transformers' and TorchTitan's schedules) is
+    ``{}``. DCP keeps no empty container, so ``lr_lambdas: [{}]`` arrives missing, and torch's
+    ``load_state_dict`` fails on the absent key. Only a list whose every entry was empty can vanish
+    whole, so refilling it with one empty dict per live lambda restores exactly what was saved.
+    """
+    lambdas = getattr(obj, "lr_lambdas", None)
+    if not isinstance(lambdas, list) or not isinstance(state_dict, dict) or "lr_lambdas" in state_dict:
+        return state_dict
+    return {**state_dict, "lr_lambdas": [{} for _ in lambdas]}
+

@@ -232,3 +232,38 @@ def test_dcp_metadata_of_real_saves_reads_through_the_restricted_unpickler(tmp_p
     dcp.save(state, checkpoint_id=str(tmp_path / "d"))
     tier = f"nvme={tmp_path / 't'}"
     assert main(["import", str(tmp_path / "d"), "--to", "nvme", "--step", "1", "--tier", tier]) == 0
+
+
+def _hf_schedule(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """A model, AdamW and transformers' linear warmup schedule: a LambdaLR over a functools.partial,
+    whose state dict holds ``lr_lambdas: [{}]``, which DCP drops (it keeps no empty container)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer, get_linear_schedule_with_warmup(optimizer, 2, 10)
+
+
+@pytest.mark.parametrize("route", ["dcp.save", "export"])
+def test_an_hf_lambda_schedule_imports_from_dcp_and_trains_on_alike(tmp_path: Path, route: str) -> None:
+    saved = _hf_schedule(0)
+    train(*saved, 3)
+    assert saved[2].state_dict()["lr_lambdas"] == [{}]
+    model, optimizer, scheduler = saved
+    if route == "dcp.save":
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        dcp.save({**state, "lr_scheduler": scheduler.state_dict()}, checkpoint_id=str(tmp_path / "d"))
+    else:  # tierstate's own export -> import round trip
+        with Runner.from_dict({"tiers": {"nvme": {"path": str(tmp_path / "nvme")}}}) as runner:
+            runner.register(model=model, optimizer=optimizer, lr_scheduler=scheduler)
+            runner.checkpoint(3).result()
+        assert main(["export", "3", str(tmp_path / "d"), "--format", "dcp", "--tier", f"nvme={tmp_path / 'nvme'}"]) == 0
+    assert main(["import", str(tmp_path / "d"), "--to", "pfs", "--step", "3", "--tier", f"pfs={tmp_path / 'pfs'}"]) == 0
+
+    back = _hf_schedule(7)
+    with Runner.from_dict({"tiers": {"pfs": {"path": str(tmp_path / "pfs")}}}) as runner:
+        runner.register(model=back[0], optimizer=back[1], lr_scheduler=back[2])
+        assert runner.restore("latest").step == 3
+    assert back[2].state_dict() == scheduler.state_dict()
+    assert train(*saved, 4) == train(*back, 4)
