@@ -43,6 +43,7 @@ from .config import PipelineConfig, load_config, parse_config
 from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure, FlushRole
+from .fresh import start_fresh
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
@@ -420,6 +421,15 @@ class Runner:
         completer = self._inflight
         if completer is not None:
             completer.handle.wait()
+
+    def start_fresh(self, set_aside: bool = False) -> dict[str, list[int]]:
+        """Begin a new run on these tiers (before its first checkpoint; collective with many ranks).
+
+        Tiers holding an earlier run's checkpoints would mix with it (pipeline/fresh.py): this raises
+        :class:`ExistingCheckpointsError` naming them, or with ``set_aside=True`` renames them aside
+        (kept, never listed or restored); what they held, by tier."""
+        self.wait()
+        return start_fresh(self.tiers, self._group, self._flusher.drain, set_aside)
 
     # --- restore ------------------------------------------------------------------------------
     def restore(self, which: int | str = "latest", fallback: bool = False) -> RestoreResult:

@@ -19,6 +19,7 @@ from tierstate.errors import TierstateError
 if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interpreter the same
     from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
     from tierstate.pipeline.distributed import CheckpointAborted
+    from tierstate.pipeline.fresh import ExistingCheckpointsError
     from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
     from tierstate.pipeline.laziness import AttachError
     from tierstate.pipeline.metrics import CheckpointStats, RunMetrics
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
 _HOMES = {
     "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config"),
     "tierstate.pipeline.distributed": ("CheckpointAborted",),
+    "tierstate.pipeline.fresh": ("ExistingCheckpointsError",),
     "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
     "tierstate.pipeline.laziness": ("AttachError",),
     "tierstate.pipeline.metrics": ("CheckpointStats", "RunMetrics"),
@@ -121,6 +123,7 @@ __all__ = [
     "CompositeProvider",
     "ConfigError",
     "CorruptCheckpointError",
+    "ExistingCheckpointsError",
     "Hdf5LayoutError",
     "InUseError",
     "InvalidStepError",

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from tierstate import ObjectProvider, RNGProvider, Runner  # noqa: E402
+from tierstate import ExistingCheckpointsError, ObjectProvider, RNGProvider, Runner  # noqa: E402
 from tierstate.cli import main as cli  # noqa: E402
 from tierstate.integrations.hf import TierstateCallback  # noqa: E402
 from tierstate.integrations.hf_trainer import TrainerIntegrationError  # noqa: E402
@@ -205,3 +205,52 @@ def test_an_hf_export_names_the_providers_when_asked_for_one_that_is_not_there(t
     assert "exists; give --force" in capsys.readouterr().err
     assert _export(tiers, out, "--provider", "model", "--force") == 0
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # the stale shards and index are gone
+
+
+def _lr_trainer(tmp_path: Path, tiers: Path, lr: float, max_steps: int, **callback: object) -> transformers.Trainer:
+    ids = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(1))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf-output"), max_steps=max_steps, per_device_train_batch_size=2,
+        learning_rate=lr, lr_scheduler_type="linear", save_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, logging_steps=1,
+    )  # fmt: skip
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    return transformers.Trainer(
+        model=_tiny_gpt2(), args=args, train_dataset=dataset,
+        callbacks=[TierstateCallback(_config(tiers), every=1, **callback)],
+    )  # fmt: skip
+
+
+def test_a_run_started_fresh_is_the_one_a_later_resume_finds(tmp_path):
+    """An old run (lr 1e-3) left steps 1-4; a new run (lr 5e-4) started with resume_from_checkpoint=False
+    stops ("crashes") after step 2; a plain train() then resumes the NEW run at step 2, its own schedule."""
+    tiers = tmp_path / "tiers"
+    _lr_trainer(tmp_path, tiers, 1e-3, 4).train()
+    fresh = _lr_trainer(tmp_path, tiers, 5e-4, 2)
+    fresh.train(resume_from_checkpoint=False)  # its checkpoints 1 and 2 no longer collide with the old run's
+    assert fresh.state.global_step == 2
+    steps = Runner.from_dict(_config(tiers))
+    try:
+        assert steps.steps() == {"nvme": [1, 2]}
+    finally:
+        steps.close()
+    [aside] = [p for p in tiers.iterdir() if p.name.startswith("set-aside-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]  # kept
+
+    def lrs(trainer: transformers.Trainer) -> list[float]:
+        return [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+
+    assert lrs(fresh) == [5e-4, 2.5e-4]  # the old run logged [1e-3, 7.5e-4, 5e-4, 2.5e-4]
+    resumed = _lr_trainer(tmp_path, tiers, 5e-4, 4)
+    resumed.train()
+    assert resumed.state.global_step == 4
+    assert lrs(resumed)[:2] == lrs(fresh) and len(lrs(resumed)) == 4  # the new run's history, two steps on
+
+
+def test_a_fresh_start_can_be_refused_instead(tmp_path):
+    tiers = tmp_path / "tiers"
+    _lr_trainer(tmp_path, tiers, 1e-3, 2).train()
+    fresh = _lr_trainer(tmp_path, tiers, 5e-4, 2, on_fresh_start="refuse")
+    with pytest.raises(ExistingCheckpointsError, match=r"earlier run's checkpoints \(nvme .*: steps \[1, 2\]\)"):
+        fresh.train(resume_from_checkpoint=False)
+    assert fresh.state.global_step == 0

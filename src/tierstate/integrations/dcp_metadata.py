@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tierstate.errors import TierstateError
+
 # module -> names DCP's metadata pickles refer to (as written by torch.distributed.checkpoint's
 # save in torch 2.5-2.13); constructing any of them runs no code of the file's choosing.
 _ADMITTED: dict[str, frozenset[str]] = {
@@ -33,7 +35,7 @@ _ADMITTED: dict[str, frozenset[str]] = {
 }
 
 
-class ForbiddenGlobalError(pickle.UnpicklingError):
+class ForbiddenGlobalError(TierstateError, pickle.UnpicklingError):
     """A ``.metadata`` names a global that DCP's metadata never holds (it would run code)."""
 
 
@@ -65,9 +67,9 @@ def restricted_reader(source: Path) -> Any:
 
     class RestrictedReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002 (DCP passes rank=)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage = metadata.storage_meta or StorageMeta()  # as torch's own read_metadata fills it
+            storage.load_id = self.load_id
+            metadata.storage_meta = storage
             return metadata
 
     return RestrictedReader(source)

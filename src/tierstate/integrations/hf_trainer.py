@@ -30,7 +30,8 @@ it loads ``rng_state.pth``. Everything else (which epoch, which batches, the log
 for its files in the temporary directory and fail loudly, never resume silently wrong.
 
 ``trainer.train(resume_from_checkpoint=PATH)`` still resumes from an HF directory, and
-``resume_from_checkpoint=False`` starts afresh whatever the tiers hold.
+``resume_from_checkpoint=False`` starts afresh: an earlier run's checkpoints on the tiers are set
+aside first (``Runner.start_fresh``), so that a later plain ``train()`` resumes this run, not that one.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, trainer_callback
 from typing_extensions import override
@@ -61,6 +63,8 @@ TRAINER_STATE_NAME = "trainer_state.json"  # the file HF's resume path reads the
 TRAINER_STATE_KEY = "trainer/value"  # the checkpoint item holding that file's text
 
 Config = str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig | None
+FreshStart = Literal["set_aside", "refuse"]
+log = logging.getLogger("tierstate")
 
 # Callbacks whose state the Trainer checkpoints (EarlyStoppingCallback, TrainerControl); older transformers have none.
 STATEFUL_CALLBACK: type | tuple[()] = getattr(trainer_callback, "ExportableState", ())
@@ -97,11 +101,17 @@ class TierstateCallback(TrainerCallback):
     :class:`PipelineConfig`; None = the packaged default, tiers under ``./checkpoints``). Pass the
     callback to ``Trainer(callbacks=[...])``: it must see the Trainer being built to resume it.
     ``handle`` is the newest checkpoint's :class:`CheckpointHandle` (None before the first).
+    ``on_fresh_start``: what ``train(resume_from_checkpoint=False)`` does with an earlier run's
+    checkpoints on the tiers: ``"set_aside"`` (renamed aside, kept, never resumed) or ``"refuse"``
+    (an ExistingCheckpointsError before the first step).
     """
 
-    def __init__(self, config: Config = None, every: int = 500) -> None:
+    def __init__(self, config: Config = None, every: int = 500, on_fresh_start: FreshStart = "set_aside") -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"TierstateCallback(every=...): a whole number of steps of at least 1, got {every!r}")
+        if on_fresh_start not in ("set_aside", "refuse"):
+            raise ValueError(f"TierstateCallback(on_fresh_start=...): 'set_aside' or 'refuse', got {on_fresh_start!r}")
+        self.on_fresh_start = on_fresh_start
         self.config = config
         self.every = every
         self.runner: Runner | None = None
@@ -138,6 +148,8 @@ class TierstateCallback(TrainerCallback):
             trial = args[0] if args else kwargs.get("trial")
             if resume_from_checkpoint is None and trial is None:  # a search's trials start afresh, as in HF
                 newest = _newest_trainer_state(self.runner)
+            if resume_from_checkpoint is False and trial is None:
+                self._start_fresh(self.runner)
             if newest is None:
                 return train(resume_from_checkpoint or None, *args, **kwargs)
             step, text = newest
@@ -147,6 +159,16 @@ class TierstateCallback(TrainerCallback):
                     return train(marker, *args, **kwargs)
         finally:
             self.runner.close()  # every checkpoint requested is durable (or reported failed) when train() returns
+
+    def _start_fresh(self, runner: Runner) -> None:
+        """``train(resume_from_checkpoint=False)``: the new run, not an older one on the tiers, is what a
+        later plain ``train()`` resumes; the old run's checkpoints are set aside (kept, never listed),
+        or with ``on_fresh_start="refuse"`` the run stops before its first step, saying why."""
+        held = runner.start_fresh(set_aside=self.on_fresh_start == "set_aside")
+        if held:
+            listed = "; ".join(f"{name}: steps {steps}" for name, steps in sorted(held.items()))
+            log.warning("TierstateCallback: a fresh start: set aside the earlier run's checkpoints (%s), kept "
+                        "under set-aside-<time> in each tier", listed)  # fmt: skip
 
     @contextmanager
     def _loading_from(self, marker: str, step: int) -> Iterator[None]:

@@ -1,0 +1,64 @@
+"""A fresh start on tiers that hold an earlier run's checkpoints: refused, or the old run set aside.
+
+Why: a run started over (HF ``train(resume_from_checkpoint=False)``, Lightning without ``ckpt_path``,
+a plain loop) on such tiers mixes with the old run without a word: its steps collide with the old
+ones and, after a crash before it passes the old run's newest step, a resume finds the *old* run.
+So a fresh start is explicit: with nothing on the tiers it is free; otherwise it either fails up
+front (:class:`ExistingCheckpointsError`, naming tiers and steps) or, asked to, renames the old
+run's checkpoints aside (tiers/setaside.py) so the new run is the one ``latest`` finds.
+Collective with many ranks: every rank decides alike from what all of them see.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from tierstate.errors import TierstateError
+
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.setaside import SET_ASIDE_PREFIX, holdings, set_aside
+from .distributed import CheckpointGroup
+
+
+class ExistingCheckpointsError(TierstateError, FileExistsError):
+    """A fresh start on tiers that hold another run's checkpoints, without leave to set them aside."""
+
+
+def _held(tiers: Sequence[FilesystemTier]) -> dict[str, list[int]]:
+    return {f"{name} ({tier.root})": steps for tier in tiers for name, steps in holdings(tier).items()}
+
+
+def start_fresh(
+    tiers: Sequence[FilesystemTier], group: CheckpointGroup | None, settle: Callable[[], object], aside: bool
+) -> dict[str, list[int]]:
+    """Make the tiers empty of committed checkpoints for a new run; what they held, by tier.
+
+    ``settle`` first waits for the background flushes a crashed run left (they complete the old
+    run's copies, which are then set aside with the rest). ``aside``: rename the old checkpoints
+    aside instead of refusing.
+    """
+    settle()
+    seen = _held(tiers)
+    if group is not None:
+        seen = {name: steps for each in group.all_gather(seen, "fresh start: what the tiers hold") for name, steps
+                in each.items()}  # fmt: skip
+    if not seen:
+        return {}
+    listed = "; ".join(f"{name}: steps {steps}" for name, steps in sorted(seen.items()))
+    if not aside:
+        raise ExistingCheckpointsError(
+            f"a fresh start, but the tiers hold an earlier run's checkpoints ({listed}); resume it instead, point "
+            f"this run at tiers of its own, or set them aside (start_fresh(set_aside=True): renamed to "
+            f"{SET_ASIDE_PREFIX}<time>, never listed or restored)"
+        )
+    label = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if group is not None:
+        label = group.from_leader(label, "fresh start: the set-aside label")
+    for tier in tiers:
+        mine = group is None or (group.is_node_leader if tier.scope == "node" else group.is_leader)
+        if mine:
+            set_aside(tier, label)
+    if group is not None:
+        group.all_gather(None, "fresh start: the old run set aside")
+    return seen
