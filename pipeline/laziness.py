@@ -149,6 +149,34 @@ class CaptureRules:
         return EagerSnapshot(len(copied), sum(item.nbytes for item in copied), uncovered), copied
 
 
+#: ``changes`` that make an item lazy on the user's word alone: no pre-hook guards them, so the tripwire does.
+DECLARED_LAZY = ("never", "guarded")
+
+
+class VersionWatch:
+    """The always-on tripwire: each lazily captured tensor declared ``never`` or ``guarded`` has its
+    version counter (``Tensor._version``, bumped by every in-place op through autograd's view of it)
+    recorded at the request; if one moved by the time capture is done, the copy may hold later bytes,
+    and the checkpoint fails naming the keys.
+
+    What it cannot see: writes that bypass autograd's counter (``tensor.data.mul_()``, a numpy view,
+    a DLPack consumer) — which is why nothing undeclared is lazy: a frozen parameter is copied before
+    ``checkpoint()`` returns unless declared ``never``. Tensors guarded by an attached optimizer's
+    pre-hook (``step``) are not read here: reading 10^5 counters would cost the trainer ~6 ms at
+    every request (``policies.check_capture`` hashes them all, as a debugging aid).
+    """
+
+    def __init__(self, items: Iterable[TensorItem]) -> None:
+        self._watched = [(item.key, item.tensor, item.tensor._version) for item in items]  # noqa: SLF001
+
+    @staticmethod
+    def declared(items: Iterable[TensorItem]) -> list[TensorItem]:
+        return [item for item in items if item.changes in DECLARED_LAZY]
+
+    def moved(self) -> list[str]:
+        return sorted(key for key, tensor, version in self._watched if tensor._version != version)  # noqa: SLF001
+
+
 def release_copies(items: Iterable[TensorItem]) -> None:
     """Free the copies :meth:`CaptureRules.snapshot_eager` made, once their checkpoint has ended."""
     for item in items:

@@ -47,7 +47,7 @@ from tierstate.errors import TierstateError
 from ..providers.base import Batched, DeferredListing, StateProvider
 from ..providers.dtensor import is_dtensor, storage_of
 from ..providers.items import Item, ObjectItem, TensorBatch, TensorItem
-from .laziness import CaptureRules, EagerSnapshot
+from .laziness import CaptureRules, EagerSnapshot, VersionWatch
 from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
 
 _FORM = operator.attrgetter("dtype", "shape", "device")  # what a plan fixes of a tensor
@@ -99,6 +99,10 @@ class Prepared:
         """The tensors of the providers described this time (not from the reused plan)."""
         return self.resolve.rest.tensors
 
+    def watch(self) -> VersionWatch:
+        """The version tripwire over the declared-lazy tensors, the reused plan's listed once with it."""
+        return VersionWatch([*self.resolve.entry.declared, *VersionWatch.declared(self.described)])
+
 
 @dataclass
 class Entry:
@@ -114,10 +118,12 @@ class Entry:
     invalid: bool = False
     tensors: list[torch.Tensor] = field(init=False)  # every planned tensor, lazy ones too
     forms: list[tuple[torch.dtype, torch.Size, torch.device]] = field(init=False)  # as planned
+    declared: list[TensorItem] = field(init=False)  # lazy on the user's word: the version tripwire's
 
     def __post_init__(self) -> None:
         self.tensors = [item.tensor for item in self.plan.tensors]
         self.forms = list(map(_FORM, self.tensors))
+        self.declared = VersionWatch.declared(self.plan.tensors)
 
     def matches(self, batches: dict[str, TensorBatch], covered: frozenset[int]) -> bool:
         """Same providers, keys, ``changes`` and tensor objects, same coverage: C loops, no per-item Python.

@@ -46,7 +46,7 @@ from .flush import Flusher, FlushFailure, FlushRole
 from .fresh import start_fresh
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext
-from .laziness import CaptureRules, changed_keys, fingerprints, release_copies, unwrap_optimizer
+from .laziness import CaptureRules, VersionWatch, changed_keys, fingerprints, release_copies, unwrap_optimizer
 from .metrics import CheckpointStats, Outcome, RunMetrics
 from .peers import PeerLink
 from .plan import CheckpointPlan, plan_checkpoint
@@ -276,15 +276,18 @@ class Runner:
                 if prepared is not None:  # a reused plan, eager tensors copied in batches (plan_cache.py)
                     snapshot, copies, sources = prepared.snapshot, prepared.copies, prepared.sources
                     plan, described = prepared.resolve, prepared.described  # a reused plan's are on the CPU
+                    watch = prepared.watch()
                 else:
                     plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
                     # Tensors that may change before their lazy copy are copied now (laziness.py).
                     snapshot, copies = self._rules.snapshot_eager(plan.tensors)
                     described = plan.tensors
+                    watch = VersionWatch(VersionWatch.declared(plan.tensors))
                 completer.snapshotted(snapshot)
-                on_captured = None
+                on_captured = completer.captured
                 if check:
                     on_captured = self._capture_check(plan.known() if isinstance(plan, Resolve) else plan, completer)
+                on_captured = _tripwire(watch, step, on_captured)
                 ready = record_ready_event([item.tensor for item in described])
             except Exception as exc:  # a provider bug must not stop training
                 if self._group is None:
@@ -495,6 +498,24 @@ class Runner:
     def steps(self) -> dict[str, list[int]]:
         """Committed steps per tier."""
         return {tier.name: tier.steps() for tier in self.tiers}
+
+
+def _tripwire(watch: VersionWatch, step: int, then: Callable[[], None]) -> Callable[[], None]:
+    """``then``, once capture is done, unless a declared-lazy tensor was changed in place since the
+    request (laziness.VersionWatch): that checkpoint fails naming the keys, before it is committed."""
+
+    def check_then() -> None:
+        moved = watch.moved()
+        if moved:
+            shown = ", ".join(moved[:8]) + (" ..." if len(moved) > 8 else "")
+            raise CaptureChangedError(
+                f"checkpoint step {step}: {len(moved)} tensor(s) declared changes='never' or 'guarded' were "
+                f"changed in place between the request and their copy: {shown}; declare them changes='any' "
+                "(ModuleProvider(frozen='any') for frozen parameters) or call runner.wait_captured() first"
+            )
+        then()
+
+    return check_then
 
 
 async def _settled(handle: CheckpointHandle) -> None:

@@ -28,11 +28,22 @@ class ModuleProvider:
 
     ``replicated=True`` says every rank holds the same values (a DDP model), so many ranks write
     one copy; DTensor entries (FSDP2, tensor parallel) are described by their own layout.
+
+    ``frozen``: when parameters with ``requires_grad=False`` change. ``requires_grad`` says nothing
+    about who writes a tensor (an EMA teacher is frozen and rewritten after every step), so by
+    default (``"any"``) they are copied before ``checkpoint()`` returns, like buffers; declare
+    ``frozen="never"`` for a base that truly never changes (a LoRA base model), and they are copied
+    lazily, with the version-counter tripwire watching them.
     """
 
-    def __init__(self, module: nn.Module, serializer: Serializer = "msgpack", replicated: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, serializer: Serializer = "msgpack", replicated: bool = False, frozen: Changes = "any"
+    ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ModuleProvider needs an nn.Module, got {type(module).__name__}")
+        if frozen not in ("any", "never", "guarded"):
+            raise ValueError(f"ModuleProvider(frozen=...): 'any', 'never' or 'guarded', got {frozen!r}")
+        self.frozen: Changes = frozen
         self.module = module
         self.serializer: Serializer = serializer
         self.replicated = replicated
@@ -50,10 +61,10 @@ class ModuleProvider:
 
     def describe(self) -> list[Item]:
         # Trainable parameters change only in optimizer.step() ("step": lazy when an attached optimizer
-        # covers them); frozen ones not at all ("never"); buffers may change in any forward ("any").
+        # covers them); frozen ones as declared (``frozen``); buffers may change in any forward ("any").
         params = dict(self.module.named_parameters(remove_duplicate=False))
         return [
-            tensor_item(name, value, self.replicated, _changes(params.get(name)))
+            tensor_item(name, value, self.replicated, _changes(params.get(name), self.frozen))
             if isinstance(value, torch.Tensor)
             else ObjectItem(name, copy.deepcopy(value), self.serializer, self.replicated)
             for name, value in self.module.state_dict().items()
@@ -66,9 +77,9 @@ class ModuleProvider:
         While nothing ``state_dict()`` depends on has changed (providers/module_layout.py: no module with
         hooks or its own listing, the same objects under the same names) the last listing is reused.
 
-        The ``changes`` are worked out again when an entry's type changed, or a frozen parameter (lazy:
-        ``never``) was unfrozen; a trainable one that was frozen may keep ``step`` (lazy where an attached
-        optimizer holds it, else copied at once: safe either way), which spares touching 10^5 tensors.
+        The ``changes`` are worked out again when an entry's type changed, or a frozen parameter was
+        unfrozen; a trainable one that was frozen may keep ``step`` (lazy where an attached optimizer
+        holds it, else copied at once: safe either way), which spares touching 10^5 tensors.
         """
         if self._layout is None or not self._layout.holds():
             state = self.module.state_dict(keep_vars=True)
@@ -82,8 +93,8 @@ class ModuleProvider:
             self._listed = (tuple(state), values)
         keys, values = self._listed
         if self._frozen is None or any(values[i].requires_grad for i in self._frozen):
-            self._listed_changes = _changes_of(values)
-            self._frozen = [i for i, changes in enumerate(self._listed_changes) if changes == "never"]
+            self._listed_changes = _changes_of(values, self.frozen)
+            self._frozen = [i for i, v in enumerate(values) if isinstance(v, nn.Parameter) and not v.requires_grad]
         return TensorBatch(keys, values, self._listed_changes)
 
     def _mixed_batch(self, state: dict[str, Any]) -> TensorBatch:
@@ -92,7 +103,7 @@ class ModuleProvider:
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         extra = ((k, v) for k, v in state.items() if k not in tensors)
         others = tuple(ObjectItem(k, copy.deepcopy(v), self.serializer, self.replicated) for k, v in extra)
-        return TensorBatch(tuple(tensors), tuple(tensors.values()), _changes_of(tensors.values()), others)
+        return TensorBatch(tuple(tensors), tuple(tensors.values()), _changes_of(tensors.values(), self.frozen), others)
 
     def check(self, state: Mapping[str, Any]) -> None:
         """The same keys as ``state_dict()``, each tensor of the live shape and dtype; nothing is changed."""
@@ -139,17 +150,13 @@ def _ddp_hint(live: set[str], saved: set[str]) -> str:
     )
 
 
-def _changes(param: nn.Parameter | None) -> Changes:
+def _changes(param: nn.Parameter | None, frozen: Changes) -> Changes:
     if param is None:
         return "any"
-    return "step" if param.requires_grad else "never"
+    return "step" if param.requires_grad else frozen
 
 
-def _changes_of(values: Iterable[torch.Tensor]) -> tuple[Changes, ...]:
-    return tuple(map(_batched_changes, values))  # pyright: ignore[reportReturnType]  # map widens the Literal
-
-
-def _batched_changes(value: torch.Tensor) -> Changes:
-    """:func:`_changes` from the object ``state_dict(keep_vars=True)`` gives: a parameter is itself there.
+def _changes_of(values: Iterable[torch.Tensor], frozen: Changes) -> tuple[Changes, ...]:
+    """:func:`_changes` of each object ``state_dict(keep_vars=True)`` gives: a parameter is itself there.
     The plan cache compares these with :meth:`ModuleProvider.describe`'s before it relies on them."""
-    return _changes(value if isinstance(value, nn.Parameter) else None)
+    return tuple(_changes(v if isinstance(v, nn.Parameter) else None, frozen) for v in values)

@@ -8,6 +8,7 @@ copy of those tensors would then read the new values.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -133,10 +134,10 @@ def test_a_custom_provider_without_a_declaration_is_copied_at_once(make_runner: 
 
 def test_parameters_and_optimizer_state_stay_lazy(make_runner: Callable[..., Runner]) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    model[0].requires_grad_(False)  # frozen: in no optimizer, never changed
+    model[0].requires_grad_(False)  # frozen: in no optimizer, never changed, and declared so
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
     runner = make_runner()
-    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(opt))
+    runner.register(model=ModuleProvider(model, frozen="never"), optim=OptimizerProvider(opt))
     _train_step_small(model, opt)
     handle = runner.checkpoint(1)
     handle.result()
@@ -200,3 +201,56 @@ def test_attach_unwraps_accelerate_optimizer(make_runner: Callable[..., Runner])
     runner = make_runner()
     runner.attach(wrapped)
     assert runner.attached == (opt,)
+
+
+def _ema_update(teacher: torch.nn.Module, student: torch.nn.Module, through_data: bool) -> None:
+    """BYOL/DINO/MoCo: the frozen teacher follows the student, in place, right after the checkpoint."""
+    with torch.no_grad():
+        for pt, ps in zip(teacher.parameters(), student.parameters(), strict=True):
+            (pt.data if through_data else pt).mul_(0.9).add_(ps, alpha=0.1)
+
+
+@pytest.mark.parametrize("through_data", [False, True], ids=["mul_", "data.mul_"])
+def test_a_frozen_ema_teacher_updated_right_after_the_request_is_saved_as_requested(
+    make_runner: Callable[..., Runner], through_data: bool
+) -> None:
+    """requires_grad=False says nothing about who writes a tensor: the teacher's frozen parameters are
+    copied before checkpoint() returns (they were taken as never changing, and saved torn)."""
+    student = _bn_model()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters())
+    runner = make_runner(**SLOW, policies__check_capture=False)  # no debugging aid: the default alone
+    runner.register(student=student, teacher=teacher, optim=opt)
+    expected = {}
+    for step in (1, 2):
+        _train_step(student, opt)
+        expected[step] = _snapshot(teacher)
+        handle = runner.checkpoint(step)
+        _ema_update(teacher, student, through_data)
+        handle.result()
+    for step in (1, 2):
+        _assert_restores(runner, teacher, step, expected[step])
+
+
+def test_the_version_tripwire_fails_a_checkpoint_whose_declared_frozen_tensor_changed(
+    make_runner: Callable[..., Runner],
+) -> None:
+    """Declared ``frozen="never"`` (lazy) and then updated in place anyway: always on, without
+    ``check_capture``, the version counter fails that checkpoint naming the keys; nothing torn is kept."""
+    student = _bn_model()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.AdamW(student.parameters())
+    runner = make_runner(**SLOW, policies__check_capture=False)
+    runner.register(student=student, teacher=ModuleProvider(teacher, frozen="never"), optim=opt)
+    _train_step(student, opt)
+    handle = runner.checkpoint(1)
+    _ema_update(teacher, student, through_data=False)
+    moved = r"12 tensor\(s\) declared .* changed in place between the request and their copy: teacher/0\.bias, "
+    with pytest.raises(CheckpointFailed, match=moved):
+        handle.result()
+    assert runner.steps()["nvme"] == []
+    handle = runner.checkpoint(2)  # unchanged after the request: lazy, and fine
+    handle.result()
+    buffers = sum(1 for m in (student, teacher) for _ in m.buffers())
+    assert handle.snapshot.tensors == buffers  # the teacher's parameters stay lazy, as declared
+    _assert_restores(runner, teacher, 2, _snapshot(teacher))

@@ -215,7 +215,8 @@ def _live_values(module: nn.Module) -> list[torch.Tensor]:
 
 def test_an_unfrozen_parameter_is_no_longer_listed_as_never_changing() -> None:
     model = _model()
-    provider = ModuleProvider(model)
+    assert ModuleProvider(model).tensor_batch().changes_of(list(model.state_dict()).index("2.weight")) == "any"
+    provider = ModuleProvider(model, frozen="never")  # declared: lazy while frozen
     index = list(model.state_dict()).index("2.weight")
     assert provider.tensor_batch().changes_of(index) == "never"
     model[2].weight.requires_grad_(True)
