@@ -128,6 +128,8 @@ def restore_into(
         raise NothingToRestoreError(f"no committed checkpoint on any tier ({tier_roots(tiers)})")
     candidates = candidate_steps(held, which, fallback)
     newest = None if which == "latest" else candidates[0]  # lost steps newer than this were never asked for
+    if which == "latest" and not fallback:
+        refuse_lost_newer(tiers, candidates[0])
     problems: list[str] = []
     for step in candidates:
         for tier in tiers:
@@ -157,6 +159,18 @@ def restore_into(
             )
     problems = lost_steps(tiers, min(candidates), newest) + problems
     raise NoCheckpointError(unusable(candidates[0], fallback, problems))
+
+
+def refuse_lost_newer(tiers: list[FilesystemTier], newest_held: int) -> None:
+    """``restore("latest")`` without ``fallback`` when a newer ``step-N`` lost its manifest (or is a
+    symlink): refused, as a newest step whose manifest is damaged or names another step is. Taking
+    the older step would silently lose the progress in between; ``fallback=True`` takes it, saying so."""
+    lost = lost_steps(tiers, newest_held + 1)
+    if lost:
+        raise NoCheckpointError(
+            f"cannot restore the latest step: {'; '.join(lost)}; restore(..., fallback=True) takes the newest "
+            f"older step ({newest_held}) and reports the one(s) passed over"
+        )
 
 
 def unusable(wanted: int, fallback: bool, problems: list[str]) -> str:

@@ -205,7 +205,8 @@ def test_gc_leaves_symlinks_named_like_checkpoints_alone(tmp_path: Path, outside
 
 def test_a_lost_manifest_is_named_everywhere_and_kept(tmp_path: Path, capsys) -> None:
     """Step 2's manifest deleted: ls lists it invalid, verify fails naming it, gc keeps it, and a
-    restore of the latest step falls back to step 1 saying why."""
+    restore of the latest step is refused naming it, as a damaged manifest of the newest step is;
+    with fallback=True it takes step 1, saying why."""
     write_steps(tmp_path, [1, 2])
     nvme = tiers_of(tmp_path)[0]
     (nvme.step_dir(2) / MANIFEST_NAME).unlink()
@@ -219,7 +220,9 @@ def test_a_lost_manifest_is_named_everywhere_and_kept(tmp_path: Path, capsys) ->
     assert (nvme.step_dir(2) / DATA).is_file()
 
     with trainer(tmp_path) as (runner, state):
-        result = runner.restore("latest")
+        with pytest.raises(NoCheckpointError, match=r"latest step: step 2 on tier nvme: not a checkpoint: manif"):
+            runner.restore("latest")
+        result = runner.restore("latest", fallback=True)
         assert result.step == 1 and state_matches(state, 1)
         assert len(result.problems) == 1 and result.problems[0].startswith(
             "step 2 on tier nvme: not a checkpoint: manifest.json: missing"
