@@ -43,7 +43,7 @@ from .format import (
     read_manifest,
 )
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
-from .safeopen import kind_of, open_read, write_durably
+from .safeopen import kind_of, make_dir, open_read, write_durably
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
@@ -129,6 +129,9 @@ class FilesystemTier:
     name: str
     root: Path
     scope: Scope = "shared"
+    #: The directory lies inside another tier (a peer copy's ``peer-<node>``): it is tierstate's own, so a
+    #: symlink or anything else in its place was planted, and is never listed, read or written through.
+    nested: bool = False
     _locks: _WriterLocks = field(default_factory=_WriterLocks, init=False, repr=False, compare=False)
 
     def step_dir(self, step: int) -> Path:
@@ -146,7 +149,10 @@ class FilesystemTier:
         """
         partial = self.partial_dir(step)
         with self._as_tier_error(partial):
-            self.root.mkdir(parents=True, exist_ok=True)
+            if self.nested:
+                make_dir(self.root)  # a planted symlink in its place is refused, never written through
+            else:
+                self.root.mkdir(parents=True, exist_ok=True)
             self._claim()
         if os.path.lexists(self.step_dir(step)):
             raise CheckpointExistsError(
@@ -228,12 +234,22 @@ class FilesystemTier:
             lock.release()
 
     def entries(self) -> list[os.DirEntry[str]]:
-        """What the tier directory holds, each entry as itself (``lstat``, never through a symlink)."""
+        """What the tier directory holds, each entry as itself (``lstat``, never through a symlink);
+        nothing for a nested tier whose directory is not a real one (a planted ``peer-<node>`` symlink)."""
+        if self.nested and not self.is_real():
+            return []
         try:
             with os.scandir(self.root) as listing:
                 return list(listing)
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def is_real(self) -> bool:
+        """Whether the tier's directory is a real directory itself (not a symlink to one)."""
+        try:
+            return stat.S_ISDIR(os.lstat(self.root).st_mode)
+        except FileNotFoundError:
+            return False
 
     def steps(self) -> list[int]:
         """Committed steps, ascending: real directories named step-N whose manifest is a regular file."""

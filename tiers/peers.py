@@ -39,12 +39,13 @@ def partner_of(nodes: Sequence[str], node: str) -> str:
 
 def kept_for(tier: FilesystemTier, node: str) -> FilesystemTier:
     """Where ``tier`` on this node keeps ``node``'s peer copies."""
-    return FilesystemTier(f"{tier.name} (copy of {node})", tier.root / f"{PEER_PREFIX}{node}", "node")
+    return FilesystemTier(f"{tier.name} (copy of {node})", tier.root / f"{PEER_PREFIX}{node}", "node", nested=True)
 
 
 def returned_from(tier: FilesystemTier, partner: str) -> FilesystemTier:
     """Where ``tier`` on this node holds its own part as ``partner`` sent it back (a replaced node)."""
-    return FilesystemTier(f"{tier.name} (peer {partner})", tier.root / f"{RETURNED_PREFIX}{partner}", "node")
+    root = tier.root / f"{RETURNED_PREFIX}{partner}"
+    return FilesystemTier(f"{tier.name} (peer {partner})", root, "node", nested=True)
 
 
 def peer_copies(tier: FilesystemTier) -> list[FilesystemTier]:
