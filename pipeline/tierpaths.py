@@ -10,7 +10,9 @@ the runner writes (the persist tier, a tier with ``flush``, a tier whose ``reten
   machine, ``/scratch/me/run7/nvme``), when the nearest existing one is a writable directory; but
   never at the top of the file system: ``/lustre/run7`` with ``/lustre`` absent is an unmounted
   file system or a typo, and creating it would put the checkpoints on the wrong disk;
-* a path that is a file, or under one, is an error.
+* a path that is a file, or under one, is an error;
+* a path in another user's hands (tiers/ownership.py: a symlink they own, a tier directory they
+  own, a world-writable directory without the sticky bit) is refused, as ssh's StrictModes does.
 
 A tier the runner only reads (restore from a read-only archive) need not be writable nor exist,
 but must not be a file. Every error is a :class:`TierError` naming the tier and the path.
@@ -24,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ..tiers.filesystem import TierError
+from ..tiers.ownership import ownership_problem
 from .config import PipelineConfig
 
 
@@ -38,6 +41,9 @@ def check_tier_paths(config: PipelineConfig) -> None:
     """Create what is missing and refuse what cannot work, by the rule of the module docstring."""
     written = written_tiers(config)
     for name, tier in config.tiers.items():
+        problem = ownership_problem(tier.path)
+        if problem is not None:
+            raise _error(errno.EPERM, name, tier.path, f"is refused: {problem} (see README, Guarantees)")
         if name in written:
             _writable_directory(name, tier.path)
         elif tier.path.exists() and not tier.path.is_dir():
