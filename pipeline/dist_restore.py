@@ -40,13 +40,21 @@ from typing import Any
 
 import torch
 
-from ..providers.base import RestoreError
+from ..providers.base import RankLocal, RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
 from ..tiers.boxes import Box
 from ..tiers.dtypes import dtype_from_name
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import Manifest, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
+from ..tiers.format import (
+    Manifest,
+    MissingItemError,
+    ObjectRecord,
+    PerRankRecord,
+    ShardedRecord,
+    TensorRecord,
+    stored_key,
+)
 from ..tiers.locks import reading
 from ..tiers.multirank import rank_view
 from ..tiers.names import data_file_rank
@@ -98,11 +106,16 @@ def restore_across_ranks(
         tier, state, served = read
         if problems:
             log.warning("restore: %s; restoring step %d", "; ".join(problems), step)
-        _apply_on_every_rank(group, provider, state, f"restore step {step}")
+        kept = reader.kept
+        restored = CompositeProvider(**{n: c for n, c in provider.children.items() if n not in kept})
+        _apply_on_every_rank(group, restored, state, f"restore step {step}")
+        for name in kept:
+            log.warning("restore step %d: rank %d keeps its own %r: the checkpoint holds no state of this rank's",
+                        step, group.rank, name)  # fmt: skip
         seconds = time.perf_counter() - started
         # bytes_read: this rank's reads, not the whole copy
         return RestoreResult(
-            step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems), served
+            step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems), served, kept
         )
     raise NoCheckpointError(unusable(wanted, fallback, problems))
 
@@ -235,6 +248,7 @@ class _CollectiveRead:
         self.provider = provider
         self.allow_pickle = allow_pickle
         self.bytes_read = 0  # tensor bytes this rank read from storage for the last copy
+        self.kept: tuple[str, ...] = ()  # rank-local providers the last copy holds no state of this rank's for
 
     def read_step(
         self, step: int, copies: list[FilesystemTier], problems: list[str]
@@ -274,7 +288,9 @@ class _CollectiveRead:
             try:
                 lock.enter_context(reading(directory))  # retention cannot delete it while it is being read
                 manifest = tier.manifest(step)
-                keys = [k for k in manifest.items if k.split("/", 1)[0] in self.provider.children]
+                self.kept = self._absent_rank_local(manifest)
+                wanted = set(self.provider.children) - set(self.kept)
+                keys = [k for k in manifest.items if k.split("/", 1)[0] in wanted]
                 view, regions, shared = self._plan(manifest, keys)
             except Exception as exc:  # reported by every rank alike, below
                 problem = exc
@@ -304,6 +320,23 @@ class _CollectiveRead:
             if across:
                 self._exchange_objects(where, view, keys, values)
         return {key: values[stored_key(key, view.items[key])] for key in keys}, [], served
+
+    def _absent_rank_local(self, manifest: Manifest) -> tuple[str, ...]:
+        """The rank-local providers (providers/base.py, ``RankLocal``) this rank keeps as they are: the
+        checkpoint was saved by fewer ranks, none of them this one. One whose ``missing_rank`` is
+        ``"error"`` fails this copy instead (alike on every rank of that kind, reported by all)."""
+        rank, saved = self.group.rank, manifest.world_size
+        if rank < saved:
+            return ()
+        local = {n: c for n, c in self.provider.children.items() if isinstance(c, RankLocal)}
+        refused = sorted(n for n, c in local.items() if c.missing_rank == "error")
+        if refused:
+            raise MissingItemError(
+                f"rank {rank}: {', '.join(map(repr, refused))} hold(s) each rank's own state, and step "
+                f"{manifest.step} was saved by {saved} rank(s), none of them rank {rank}; another rank's would "
+                "be a duplicate (missing_rank='keep' keeps this rank's own instead)"
+            )
+        return tuple(sorted(local))
 
     def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
         """This rank's view, its tensor regions by stored key, and the shareable ones (see :data:`Offer`)."""

@@ -52,6 +52,8 @@ class RestoreResult:
     seconds: float
     problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
     tier_by_rank: tuple[str, ...] = ()  # the tier that served each rank's part, by rank (``tier`` is this rank's)
+    # Rank-local providers left as they were: the checkpoint, saved by fewer ranks, holds none of this rank's state.
+    kept: tuple[str, ...] = ()
 
 
 def nearest_first(tiers: list[FilesystemTier], peer_copies: list[FilesystemTier] | None = None) -> list[FilesystemTier]:

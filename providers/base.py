@@ -26,7 +26,7 @@ Two ways get a provider there, and :class:`~providers.composite.CompositeProvide
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Set, ValuesView
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from tierstate.errors import TierstateError
 
@@ -115,6 +115,22 @@ class DeferredListing(Batched, OwnsOptimizer, Protocol):
     def relisted(self) -> TensorBatch | None: ...
 
     def restated(self, key: str, value: Any) -> Any: ...
+
+
+MissingRank = Literal["keep", "error"]
+
+
+@runtime_checkable
+class RankLocal(Protocol):
+    """A provider whose state is each rank's own (random streams): restored on more ranks than saved
+    it, a rank the checkpoint holds no value of its own for must never get another rank's (both ranks
+    would draw the same dropout masks and samples).
+
+    The restore reads the checkpoint's world size first; on a rank at or beyond it, such a provider
+    (registered at the top level) is not restored: ``missing_rank == "keep"`` leaves its live state
+    as it is and names it in ``RestoreResult.kept``; ``"error"`` fails the restore on every rank."""
+
+    missing_rank: MissingRank
 
 
 class ReadState(Mapping[str, Any]):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .base import RestoreError, require_keys
+from .base import MissingRank, RestoreError, require_keys
 from .items import Item, ObjectItem, TensorItem
 
 if TYPE_CHECKING:
@@ -36,12 +36,20 @@ class RNGProvider:
     ``cuda=None`` includes CUDA generators when CUDA is available; ``True`` requires it; ``False``
     leaves them out (e.g. to restore a GPU run's checkpoint on a CPU-only machine). Restore expects
     the items this provider would describe now.
+
+    Each rank's generators are its own (:class:`~tierstate.providers.base.RankLocal`): restored on
+    more ranks than saved the checkpoint, a rank with no saved state of its own keeps its generators
+    as they are (``missing_rank="keep"``, named in ``RestoreResult.kept``) or fails the restore
+    (``"error"``); it never takes another rank's.
     """
 
-    def __init__(self, cuda: bool | None = None) -> None:
+    def __init__(self, cuda: bool | None = None, missing_rank: MissingRank = "keep") -> None:
         if cuda and not torch.cuda.is_available():
             raise RuntimeError("RNGProvider(cuda=True) but torch.cuda.is_available() is False")
+        if missing_rank not in ("keep", "error"):
+            raise ValueError(f"RNGProvider(missing_rank=...): 'keep' or 'error', got {missing_rank!r}")
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self.missing_rank: MissingRank = missing_rank
 
     def _cuda_keys(self) -> list[str]:
         return [f"{CUDA_PREFIX}{i}" for i in range(torch.cuda.device_count())] if self.cuda else []

@@ -33,7 +33,7 @@ from dist_worker import (
 from conftest import REPO
 from tierstate import cli
 from tierstate.pipeline.runner import Runner
-from tierstate.providers import ModuleProvider, TensorDictProvider
+from tierstate.providers import ModuleProvider, RNGProvider, TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.format import ShardedRecord, TensorRecord, parse_index
 from tierstate.tiers.migrate import migrate
@@ -270,3 +270,24 @@ def test_the_readme_guard_starts_fresh_on_every_rank_and_cannot_hang(work):
         assert seen["guard"] == "went on" and seen["seconds"] < GROUP_TIMEOUT_S / 2
     body = textwrap.dedent("".join(inspect.getsource(readme_guard).splitlines(keepends=True)[2:]))
     assert body in (REPO / "README.md").read_text()  # the worker runs what the README shows
+
+
+def test_per_rank_rng_saved_on_one_rank_is_never_copied_to_another(tmp_path: Path) -> None:
+    """Saved by one process, restored on two: rank 0 gets the saved streams, rank 1 keeps its own and says
+    so (both drawing the same numbers was the silent failure); asked to, every rank refuses instead."""
+    torch.manual_seed(42)
+    with runner_on(tmp_path / "tiers" / "rng1") as runner:
+        runner.register(rng=RNGProvider(), t=TensorDictProvider({"w": torch.arange(4.0)}))
+        runner.checkpoint(3).result()
+    saved_draws = torch.rand(4).tolist()
+    torch.manual_seed(1001)
+    own_draws = torch.rand(4).tolist()  # rank 1's stream, seeded 1000 + 1 before its restore
+    torchrun(tmp_path, "rng-more-ranks")
+    rank0, rank1 = (json.loads((tmp_path / "rng-more-ranks" / f"rank-{r}.json").read_text()) for r in (0, 1))
+    assert rank0["keep"] == {"kept": [], "w": [0.0, 1.0, 2.0, 3.0], "draws": saved_draws}
+    assert rank1["keep"] == {"kept": ["rng"], "w": [0.0, 1.0, 2.0, 3.0], "draws": own_draws}
+    for seen in (rank0, rank1):
+        error = seen["error"]["error"]
+        assert "MissingItemError" in error and "'rng' hold(s) each rank's own state" in error
+        assert "none of them rank 1" in error
+        assert seen["error"]["w"] == [0.0, 0.0, 0.0, 0.0]  # nothing applied on any rank
