@@ -1,0 +1,449 @@
+"""Benchmark: time lost per failure. Train the example GPT, SIGKILL it at a random moment, restart it,
+and measure the wasted time: from the kill until training is back at the step where it was killed.
+
+As the checkpointing papers report it (Gemini, CheckFreq, PCcheck): for each method, in the same run,
+
+1. **Interval.** The method's cost per checkpoint is measured in the trainer itself (windows of steps
+   with one checkpoint against the same windows without, interleaved, medians), and its interval is
+   the fewest steps between checkpoints that keep that cost within 3% of the step time
+   (``ceil(cost / (0.03 * step))``), and never shorter than the checkpoint takes to be durable
+   everywhere (for tierstate: in the memory tier and flushed to NVMe), so no request waits for the
+   one before it.
+2. **Kills.** A trainer process checkpoints every ``interval`` steps; once its first checkpoint is
+   durable it is SIGKILLed after a delay drawn uniformly from one interval (a random phase of its
+   checkpoint cycle). A new process is started at once: it imports, builds the model and AdamW,
+   restores the newest checkpoint it can read, and trains (checkpointing as before) until it has
+   completed the step the killed one had completed. Wasted time = that moment minus the kill, in
+   parts: process start + imports, model build, restore, and the re-done work since the restored step.
+
+Methods: tierstate (persist to a memory tier in /dev/shm, flushed to NVMe; restart builds the model on
+the meta device, ``tierstate.materialize``, and restores from memory), ``torch.save`` (+ ``torch.load``,
+synchronous, fsync + rename) and DCP ``async_save`` (+ ``dcp.load``; a background stager), both
+restarting as their documentation shows (the model built as usual; DCP's AdamW state initialised
+before ``dcp.load``, which loads in place).
+
+    python benchmarks/recovery.py                        # medium GPT (0.3 GB of state), 5 kills per method
+    python benchmarks/recovery.py --preset small --kills 3
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.cli import parser
+from harness.machine import start_run
+from harness.paths import REPO_ROOT, bench_root
+from harness.report import Report, progress, publish
+from harness.stats import median
+from harness.units import MiB, fmt_bytes, fmt_ratio, fmt_s
+
+METHODS = ["tierstate", "torch.save", "dcp.async_save"]
+SLOWDOWN = 0.03  # the steady-state cost each method's interval is chosen to stay within
+SHM = Path("/dev/shm")
+CHUNK = 64 * MiB
+
+
+# --- the trainer (parent and child processes alike) ----------------------------------------------
+
+
+def tierstate_config(root: Path, memory: Path, nbytes: int) -> dict[str, Any]:
+    """Persist to a memory tier holding two checkpoints (keep_last 1, as the README sizes it), flushed to NVMe."""
+    cache = (int(nbytes * 1.06) // CHUNK + 8) * CHUNK
+    return {
+        "chunk_size": CHUNK,
+        "host_cache": {"size": cache},
+        "tiers": {
+            "memory": {"kind": "memory", "path": str(memory), "size": 2 * (nbytes + 64 * MiB),
+                       "retention": {"keep_last": 1}},
+            "nvme": {"path": str(root / "nvme"), "scope": "node", "flush": {"every": 1},
+                     "retention": {"keep_last": 1}},
+        },
+    }  # fmt: skip
+
+
+def _emit(event: str, **fields: Any) -> None:
+    """One event line on stdout (one write: lines from two threads never interleave), with the wall time."""
+    os.write(1, (json.dumps({"event": event, "t": time.time(), **fields}) + "\n").encode())
+
+
+@dataclass
+class Trainer:
+    """The GPT state and one method's way of checkpointing and restoring it."""
+
+    method: str
+    state: Any
+    root: Path
+    memory: Path
+    runner: Any = None
+    ckpt: Any = None
+    on_durable: Any = None  # called with each step once durable (everywhere it goes)
+    pending: list[Any] = field(default_factory=list)
+
+    def open(self) -> None:
+        if self.method == "tierstate":
+            from tierstate import Runner
+
+            self.runner = Runner.from_dict(tierstate_config(self.root, self.memory, self.state.tensor_bytes))
+            self.runner.register(**self.state.providers())
+        elif self.method == "torch.save":
+            from harness.competitors import TorchSaveCheckpointer
+
+            self.ckpt = TorchSaveCheckpointer(self.state, self.root / "torch")
+            self.ckpt.root.mkdir(parents=True, exist_ok=True)
+        else:
+            from harness.competitors import DCPAsyncCheckpointer
+
+            self.ckpt = DCPAsyncCheckpointer(self.state, self.root / "dcp", staging="async")
+            self.ckpt.root.mkdir(parents=True, exist_ok=True)
+
+    def before_step(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.before_step()  # tierstate's runner waits in its own optimizer pre-hook
+
+    def save(self, step: int) -> Any:
+        """Request a checkpoint; returns what to wait on for it to be durable everywhere it goes."""
+        if self.method == "tierstate":
+            handle = self.runner.checkpoint(step)
+            futures = list(handle.tier_futures.values())
+            if self.on_durable is not None:
+                _when_all(futures, lambda: self.on_durable(step))
+            return futures
+        self.ckpt.save(step)
+        if self.method == "torch.save":
+            if self.on_durable is not None:
+                self.on_durable(step)
+            return []
+        future = self.ckpt.durable
+        if self.on_durable is not None:
+            future.add_done_callback(lambda _f: self.on_durable(step))
+        return [future]
+
+    def restore_latest(self) -> int:
+        """Restore the newest checkpoint this method can read; its step."""
+        if self.method == "tierstate":
+            return self.runner.restore("latest").step
+        if self.method == "torch.save":
+            done = [int(p.stem.split("-")[1]) for p in self.ckpt.root.glob("step-*.pt")]
+        else:  # DCP writes .metadata last: a directory without it is an interrupted save
+            done = [int(p.parent.name.split("-")[1]) for p in self.ckpt.root.glob("step-*/.metadata")]
+        step = max(done)
+        self.ckpt.restore(step)
+        return step
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+def _when_all(futures: list[Any], then: Any) -> None:
+    """Call ``then()`` once every future is done (whatever their outcome)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_future: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for future in futures:
+        future.add_done_callback(one)
+
+
+def build(preset: str, method: str, for_restore: bool) -> Any:
+    """The GPT and AdamW. A restart of tierstate builds on the meta device (the restore sets every value);
+    DCP's restart initialises AdamW's state, since ``dcp.load`` loads into the tensors it is given."""
+    import torch
+    from harness.gpt_state import GPT_PRESETS, GPTState, build_gpt
+
+    from examples.gpt import GPT, TokenStream
+
+    if not for_restore:
+        return build_gpt(preset)
+    if method != "tierstate":
+        state = build_gpt(preset, warm_steps=0)
+        if method == "dcp.async_save":
+            _init_adamw_state(state.optimizer)
+        return state
+    from tierstate import materialize
+
+    config = GPT_PRESETS[preset]
+    with torch.device("meta"):
+        model = GPT(config)
+    materialize(model)
+    optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95))
+    return GPTState(model, optimizer, TokenStream(4, config.seq_len, seed=0))
+
+
+def _init_adamw_state(optimizer: Any) -> None:
+    """What torch.distributed.checkpoint.state_dict does before a load: one step with zero gradients and
+    lr 0, so that every moment tensor exists to be loaded into."""
+    import torch
+
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def child(spec: dict[str, Any]) -> None:
+    """A trainer process: ``start`` (train from ``first``, checkpointing every ``every`` steps, until
+    killed) or ``restart`` (restore the newest checkpoint, train until step ``until`` is done)."""
+    from harness import competitors
+
+    import tierstate
+
+    if spec["method"] == "dcp.async_save":
+        competitors._dcp()  # noqa: SLF001  # import torch.distributed.checkpoint now, not inside the restore
+    _emit("imported", tierstate=tierstate.__version__)
+    restart = spec["mode"] == "restart"
+    state = build(spec["preset"], spec["method"], for_restore=restart)
+    _emit("built")
+    trainer = Trainer(spec["method"], state, Path(spec["root"]), Path(spec["memory"]))
+    trainer.open()
+    trainer.on_durable = lambda step: _emit("durable", step=step)
+    _emit("opened")
+    step = spec["first"]
+    if restart:
+        step = trainer.restore_latest()
+        _emit("restored", step=step)
+    every, until = spec["every"], spec.get("until")
+    while until is None or step < until:
+        state.train_step(before_step=trainer.before_step)
+        step += 1
+        _emit("step", step=step)
+        if step % every == 0:
+            trainer.save(step)
+    _emit("back", step=step)
+    os._exit(0)  # the measurement is done: no drain of checkpoints still in flight
+
+
+# --- the parent: intervals, kills, restarts ----------------------------------------------------
+
+
+def _window(state: Any, trainer: Trainer | None, steps: int, step0: int) -> tuple[float, float]:
+    """Seconds for ``steps`` training steps, and (with ``trainer``: a checkpoint after the first step) the
+    seconds its checkpoint took to be durable everywhere; the window lasts at least until then, so all of
+    its background work falls inside it."""
+    started = time.perf_counter()
+    waits: list[Any] = []
+    durable = [float("nan")]
+    for i in range(steps):
+        state.train_step(before_step=trainer.before_step if trainer is not None else None)
+        if trainer is not None and i == 0:
+            asked = time.perf_counter()
+            waits = trainer.save(step0)
+            _when_all(waits, lambda asked=asked: durable.__setitem__(0, time.perf_counter() - asked))
+            if not waits:  # synchronous: durable when save returned
+                durable[0] = time.perf_counter() - asked
+    for future in waits:
+        future.result()
+    return time.perf_counter() - started, durable[0]
+
+
+def calibrate(preset: str, root: Path, memory: Path, repeats: int) -> dict[str, dict[str, float]]:
+    """Per method: step time, cost per checkpoint, time to durable, and the interval that follows."""
+    state = build(preset, "torch.save", for_restore=False)
+    trainers = {m: Trainer(m, state, root / f"calibrate-{m}", memory / f"calibrate-{m}") for m in METHODS}
+    for trainer in trainers.values():
+        trainer.open()
+    step = 10
+    probe: dict[str, float] = {}
+    for method, trainer in trainers.items():  # warm-up: first plans, files, allocations; a first estimate
+        step += 1
+        probe[method] = _window(state, trainer, 2, step)[1]
+    step_s = _window(state, None, 2, 0)[0] / 2
+    windows = {m: max(3, math.ceil(probe[m] / step_s) + 2) for m in METHODS}
+    costs: dict[str, list[float]] = {m: [] for m in METHODS}
+    durables: dict[str, list[float]] = {m: [] for m in METHODS}
+    steps: list[float] = []
+    for repeat in range(repeats):
+        for method, trainer in trainers.items():
+            plain, _ = _window(state, None, windows[method], 0)
+            step += 1
+            with_one, durable = _window(state, trainer, windows[method], step)
+            costs[method].append(with_one - plain)
+            durables[method].append(durable)
+            steps.append(plain / windows[method])
+            progress(f"calibrate round {repeat + 1} {method:15s} window {windows[method]} steps: {plain:.2f} s "
+                     f"plain, {with_one:.2f} s with one checkpoint (durable in {durable:.2f} s)")  # fmt: skip
+    for trainer in trainers.values():
+        trainer.close()
+    step_s = median(steps)
+    facts: dict[str, dict[str, float]] = {}
+    for method in METHODS:
+        cost, durable = max(0.0, median(costs[method])), median(durables[method])
+        by_cost = math.ceil(cost / (SLOWDOWN * step_s)) if cost > 0 else 1
+        by_durable = math.ceil(durable / step_s)
+        every = max(1, by_cost, by_durable)
+        facts[method] = {"step_s": step_s, "cost_s": cost, "durable_s": durable, "every": every,
+                         "by_cost": by_cost, "by_durable": by_durable}  # fmt: skip
+    return facts
+
+
+class Process:
+    """A trainer child and the events it reports, read on a thread of their own."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT),
+                                                             os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        self.spawned = time.time()
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        self.events: list[dict[str, Any]] = []
+        self.durable = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            event = json.loads(line)
+            self.events.append(event)
+            if event["event"] == "durable":
+                self.durable.set()
+
+    def finish(self) -> int:
+        code = self.proc.wait()
+        self._reader.join()
+        if code not in (0, -signal.SIGKILL):
+            assert self.proc.stderr is not None
+            raise RuntimeError(f"trainer exited with {code}:\n{self.proc.stderr.read().decode()[-4000:]}")
+        return code
+
+    def at(self, name: str) -> dict[str, Any]:
+        return next(e for e in self.events if e["event"] == name)
+
+
+def one_failure(preset: str, method: str, facts: dict[str, float], root: Path, memory: Path,
+                rng: random.Random) -> dict[str, float]:  # fmt: skip
+    """Start a trainer, SIGKILL it at a random moment of its checkpoint cycle, restart it; the parts."""
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(memory, ignore_errors=True)
+    every = int(facts["every"])
+    spec = {"preset": preset, "method": method, "root": str(root), "memory": str(memory), "every": every,
+            "first": max(0, every - 2), "mode": "start"}  # fmt: skip
+    first = Process(spec)
+    if not first.durable.wait(timeout=600):
+        first.proc.kill()
+        first.finish()
+        raise RuntimeError(f"{method}: no checkpoint durable within 600 s")
+    delay = rng.uniform(0.0, every * facts["step_s"])
+    threading.Event().wait(delay)  # the random moment (not a synchronisation: nothing is waited for)
+    killed_at = time.time()
+    first.proc.kill()
+    first.finish()
+    done = [e["step"] for e in first.events if e["event"] == "step" and e["t"] <= killed_at]
+    killed_step = max(done)
+    durable = max(e["step"] for e in first.events if e["event"] == "durable" and e["t"] <= killed_at)
+    second = Process({**spec, "mode": "restart", "until": killed_step})
+    second.finish()
+    imported, built, opened = (second.at(name)["t"] for name in ("imported", "built", "opened"))
+    restored, back = second.at("restored"), second.at("back")["t"]
+    return {
+        "wasted_s": back - killed_at,
+        "start_imports_s": imported - killed_at,
+        "build_s": built - imported,
+        "open_s": opened - built,
+        "restore_s": restored["t"] - opened,
+        "redo_s": back - restored["t"],
+        "redo_steps": killed_step - restored["step"],
+        "killed_step": killed_step,
+        "restored_step": restored["step"],
+        "durable_before_kill": durable,
+        "delay_s": delay,
+    }
+
+
+PARTS = ["start_imports_s", "build_s", "open_s", "restore_s", "redo_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child(json.loads(argv[1]))
+        return 0
+    p = parser("recovery", __doc__, preset="medium", repeats=3)
+    p.add_argument("--kills", type=int, default=5, help="failures per method")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    args = p.parse_args(argv)
+    facts = start_run()
+    rng = random.Random(args.seed)
+    memory = SHM / f"tierstate-bench-recovery-{uuid.uuid4().hex[:8]}"
+    failures: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    try:
+        with bench_root("recovery") as root:
+            intervals = calibrate(args.preset, root, memory, args.repeats)
+            for method in METHODS:
+                f = intervals[method]
+                progress(f"{method}: step {f['step_s']:.3f} s, cost {f['cost_s'] * 1e3:.1f} ms per checkpoint, "
+                         f"durable in {f['durable_s']:.2f} s -> every {f['every']} steps")  # fmt: skip
+            for kill in range(args.kills):
+                for method in METHODS:
+                    got = one_failure(args.preset, method, intervals[method], root / method, memory / method, rng)
+                    failures[method].append(got)
+                    progress(f"kill {kill + 1} {method:15s} wasted {got['wasted_s']:.2f} s: " + ", ".join(
+                        f"{k} {got[k]:.2f}" for k in PARTS) + f" (re-did {got['redo_steps']} steps)")  # fmt: skip
+            nbytes = _state_bytes(args.preset)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    publish("recovery", [_report(args, intervals, failures, nbytes)], facts, argv, args.results_dir)
+    return 0
+
+
+def _state_bytes(preset: str) -> int:
+    from harness.gpt_state import build_gpt
+
+    return build_gpt(preset).tensor_bytes
+
+
+def _report(args: Any, intervals: dict[str, dict[str, float]], failures: dict[str, list[dict[str, float]]],
+            nbytes: int) -> Report:  # fmt: skip
+    report = Report(
+        "recovery",
+        f"Wasted time per failure (SIGKILL, restart), {args.preset} GPT ({fmt_bytes(nbytes)} of state), "
+        f"median of {args.kills} kills per method",
+        ["method", "interval (steps)", "cost / checkpoint", "wasted", "start + imports", "model build",
+         "runner / checkpointer", "restore", "re-done work", "re-done steps", "tierstate ÷ this"],
+    )  # fmt: skip
+    ours = median(f["wasted_s"] for f in failures["tierstate"])
+    for method in METHODS:
+        runs, f = failures[method], intervals[method]
+        wasted = median(r["wasted_s"] for r in runs)
+        report.add(method, str(int(f["every"])), fmt_s(f["cost_s"]), fmt_s(wasted),
+                   *(fmt_s(median(r[k] for r in runs)) for k in PARTS), f"{median(r['redo_steps'] for r in runs):g}",
+                   fmt_ratio(ours / wasted))  # fmt: skip
+    step_s = intervals["tierstate"]["step_s"]
+    report.note(f"step time {fmt_s(step_s)}; each interval is the fewest steps whose checkpoint cost stays within "
+                f"{SLOWDOWN:.0%} of them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
+    report.note("tierstate: persist to a memory tier (/dev/shm, keep_last 1), flushed to NVMe every checkpoint; "
+                "restart builds on the meta device + tierstate.materialize and restores from memory")
+    report.note("torch.save: sync, fsync + rename, torch.load; DCP async_save: background staging thread, dcp.load; "
+                "both restart by building the model as usual (random init)")
+    report.raw = {"intervals": intervals, "failures": failures, "state_bytes": nbytes, "args": vars(args)}
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())
