@@ -69,6 +69,7 @@ from .restore import (
     RestoreResult,
     candidate_steps,
     checked_target,
+    require_providers,
     unusable,
 )
 
@@ -289,6 +290,7 @@ class _CollectiveRead:
                 lock.enter_context(reading(directory))  # retention cannot delete it while it is being read
                 manifest = tier.manifest(step)
                 self.kept = self._absent_rank_local(manifest)
+                require_providers(manifest, self.provider, where, leave_out=self.kept)
                 wanted = set(self.provider.children) - set(self.kept)
                 keys = [k for k in manifest.items if k.split("/", 1)[0] in wanted]
                 view, regions, shared = self._plan(manifest, keys)

@@ -19,10 +19,11 @@ import torch
 
 from tierstate.errors import TierstateError
 
-from ..providers.base import ReadState
+from ..providers.base import ReadState, RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
+from ..tiers.format import Manifest
 from ..tiers.gcpause import gc_paused
 from ..tiers.locks import reading
 from ..tiers.reader import COPY_ERRORS, read_items
@@ -141,6 +142,7 @@ def restore_into(
             try:
                 with reading(tier.step_dir(step)):  # retention cannot delete it while it is being read
                     manifest = tier.manifest(step)
+                    require_providers(manifest, provider, f"restore step {step} from {tier.step_dir(step)}")
                     keys = [k for k in manifest.items if k.split("/", 1)[0] in provider.children]
                     state = fresh_read(read_items(tier.step_dir(step), manifest, keys, allow_pickle=allow_pickle))
             except COPY_ERRORS as exc:
@@ -161,6 +163,25 @@ def restore_into(
             )
     problems = lost_steps(tiers, min(candidates), newest) + problems
     raise NoCheckpointError(unusable(candidates[0], fallback, problems))
+
+
+def require_providers(
+    manifest: Manifest, provider: CompositeProvider, where: str, leave_out: Collection[str] = ()
+) -> None:
+    """Every registered provider that has state has items in the checkpoint: else a RestoreError naming the
+    providers the checkpoint lacks and those it has (a renamed ``register`` name, a provider added since),
+    instead of the first provider's complaint about a missing item."""
+    held = sorted({key.split("/", 1)[0] for key in manifest.items})
+    missing = [
+        name for name, child in provider.children.items()
+        if name not in held and name not in leave_out and child.describe()  # one with no state has nothing to lack
+    ]  # fmt: skip
+    if missing:
+        names = ", ".join(repr(name) for name in missing)
+        raise RestoreError(
+            f"{where}: the checkpoint has no provider {names} (it has: {', '.join(held) or 'nothing'}); "
+            "register each under the name it was saved with"
+        )
 
 
 def refuse_lost_newer(tiers: list[FilesystemTier], newest_held: int) -> None:

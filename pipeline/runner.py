@@ -35,7 +35,7 @@ from tierstate.errors import TierstateError
 from ..providers.base import OwnsOptimizer
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..tiers.filesystem import FilesystemTier
+from ..tiers.filesystem import CheckpointExistsError, FilesystemTier
 from ..tiers.format import MAX_BYTES
 from ..tiers.hostcache import HostCache
 from .capture import SlabCopier, record_ready_event
@@ -198,8 +198,8 @@ class Runner:
         Nothing is registered if any value fits no provider.
         """
         providers = {name: provider_for(name, value) for name, value in state.items()}
-        for name, provider in providers.items():
-            self.providers.add(name, provider)
+        self.providers.add_all(providers)  # a name taken already: ProviderNameError, nothing registered
+        for provider in providers.values():
             if isinstance(provider, OwnsOptimizer):
                 self.attach(provider.optimizer_to_attach())
 
@@ -251,6 +251,7 @@ class Runner:
         if self._closed:
             raise RunnerClosedError(self._closed_reason())
         step = _checked_step(step)
+        self._refuse_existing(step)
         if not self.providers.children:
             raise NothingRegisteredError(
                 f"checkpoint step {step}: nothing is registered; call runner.register(model=model, optim=opt) first"
@@ -317,6 +318,28 @@ class Runner:
             completer.blocked(time.perf_counter() - started)
             asyncio.run_coroutine_threadsafe(self._run(job, completer, copies), self._loop)
         return handle
+
+    def _refuse_existing(self, step: int) -> None:
+        """A step the persist tier holds already fails at the call (CheckpointExistsError), not later on its
+        handle. Decided from what every rank sees alike: one process, or a persist tier all ranks share
+        (on node-scoped tiers nodes may differ, and the commit refuses it collectively instead)."""
+        tier = self.durable_tier
+        if self._group is not None and tier.scope != "shared":
+            return
+        if os.path.lexists(tier.step_dir(step)):
+            raise CheckpointExistsError(
+                f"checkpoint step {step}: tier {tier.name} holds step {step} already ({tier.step_dir(step)}); "
+                "checkpoint another step, or runner.start_fresh(set_aside=True) to begin a new run"
+            )
+
+    def latest_step(self) -> int | None:
+        """The step ``restore("latest")`` would take: the newest every rank holds on some tier; None on a
+        first run. Collective with many ranks (every rank gets the same answer)."""
+        held = {step for tier in self.tiers for step in tier.steps()}
+        if self._group is not None:
+            every = self._group.all_gather(sorted(held), "latest_step: which steps each rank holds")
+            held = set.intersection(*(set(steps) for steps in every))
+        return max(held, default=None)
 
     def _capture_check(self, plan: CheckpointPlan, completer: HandleCompleter) -> Callable[[], None]:
         """``policies.check_capture``: hash the lazily captured tensors now, and again once they are all

@@ -2,7 +2,7 @@
 
 from .atomic import ChildRestoreError
 from .base import CheckedProvider, ReadState, RestoreError, StateProvider, fresh_keys, require_keys
-from .composite import CompositeProvider, sub_state
+from .composite import CompositeProvider, ProviderNameError, sub_state
 from .items import SERIALIZERS, Item, ObjectItem, Serializer, ShardInfo, TensorItem
 from .materialize import MetaBufferError, materialize
 from .module import ModuleProvider
@@ -25,6 +25,7 @@ __all__ = [
     "ObjectItem",
     "ObjectProvider",
     "OptimizerProvider",
+    "ProviderNameError",
     "RNGProvider",
     "ReadState",
     "RestoreError",

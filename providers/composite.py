@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from tierstate.errors import TierstateError
+
 from .atomic import AtomicRestore
 from .base import ReadState, StateProvider, fresh_keys
 from .items import Item, TensorItem
@@ -27,6 +29,10 @@ def sub_state(state: Mapping[str, Any], name: str) -> ReadState:
     return ReadState(values, {key[cut:] for key in fresh_keys(state) if key.startswith(prefix)})
 
 
+class ProviderNameError(TierstateError, ValueError):
+    """A provider name that cannot be registered: empty, holding ``/``, or taken already."""
+
+
 class CompositeProvider:
     """Providers by name, described and restored as one; keys of unknown names are ignored on restore."""
 
@@ -35,12 +41,21 @@ class CompositeProvider:
         for name, child in children.items():
             self.add(name, child)
 
+    def add_all(self, providers: Mapping[str, StateProvider]) -> None:
+        """Register every one of ``providers``, or (a name taken or invalid) none of them."""
+        trial = CompositeProvider(**self._children)
+        for name, provider in providers.items():
+            trial.add(name, provider)
+        self._children = trial._children  # noqa: SLF001  # its own class
+
     def add(self, name: str, provider: StateProvider) -> CompositeProvider:
         """Register ``provider`` under ``name`` (non-empty, no ``/``, unused); returns self for chaining."""
         if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"provider name must be a non-empty string without '/', got {name!r}")
+            raise ProviderNameError(f"provider name must be a non-empty string without '/', got {name!r}")
         if name in self._children:
-            raise ValueError(f"a provider named {name!r} is already registered")
+            raise ProviderNameError(
+                f"a provider named {name!r} is already registered (registered: {', '.join(self._children)})"
+            )
         if not isinstance(provider, StateProvider):
             raise TypeError(f"provider {name!r}: {type(provider).__name__} has no describe()/restore()")
         self._children[name] = provider

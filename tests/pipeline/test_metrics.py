@@ -110,6 +110,16 @@ def test_a_wait_counts_as_blocked_by_the_time_the_capture_resolves() -> None:
     assert counted >= 0.04 and completer.handle.stats.blocked_s == counted
 
 
+class _Broken:
+    """A provider whose describe() fails (a bug in user code): its checkpoint fails, training goes on."""
+
+    def describe(self) -> list:
+        raise RuntimeError("cannot describe")
+
+    def restore(self, state: object) -> None:
+        raise AssertionError("never restored")
+
+
 def test_one_structured_log_record_per_checkpoint(
     make_runner: Callable[..., Runner], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -119,13 +129,14 @@ def test_one_structured_log_record_per_checkpoint(
     first = runner.checkpoint(1)
     skipped = runner.checkpoint(2)  # the first is still writing (~0.25 s at 16 MiB/s)
     first.result()
-    again = runner.checkpoint(1)  # step 1 exists: fails
-    again.wait()
+    runner.register(broken=_Broken())
+    failed = runner.checkpoint(3)  # a provider that cannot describe its state: that checkpoint fails
+    failed.wait()
     records = _records(caplog)
-    assert [(r["step"], r["outcome"]) for r in records] == [(2, "skipped"), (1, "durable"), (1, "failed")]
+    assert [(r["step"], r["outcome"]) for r in records] == [(2, "skipped"), (1, "durable"), (3, "failed")]
     assert skipped.skipped and records[1]["raw_bytes"] == first.stats.raw_bytes == 4 * MiB
     assert [s["name"] for s in records[1]["stages"]] == CHAIN
-    assert records[2]["error"].startswith("CheckpointExistsError: tier nvme: checkpoint step 1 already exists")
+    assert records[2]["error"].startswith("RuntimeError: cannot describe"), records[2]["error"]
     json.dumps(records)  # structured: ready for a JSON log formatter
 
 
@@ -136,7 +147,8 @@ def test_runner_metrics_sum_the_run(make_runner: Callable[..., Runner]) -> None:
     for handle in handles:
         handle.result()
     before = runner.metrics()
-    failed = runner.checkpoint(3)
+    runner.register(broken=_Broken())
+    failed = runner.checkpoint(4)
     with pytest.raises(CheckpointFailed):
         failed.result()
     metrics = runner.metrics()
