@@ -142,3 +142,21 @@ def test_objects_msgpack_cannot_store_fail_the_save_unless_pickle_is_allowed(tmp
     io.wait()
     assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"] == {"path": Path("/data")}
     io.teardown()
+
+
+@pytest.mark.slow
+def test_a_run_started_fresh_on_old_checkpoints_is_the_one_last_resumes(tmp_path: Path) -> None:
+    """Issue 27 item 3 for Lightning: an old run (3 epochs) left checkpoints on the tiers; a new run on the
+    same tiers and directory, started without ckpt_path, numbers its saves after them (no collision) and
+    its `last.ckpt` names its own; a later `ckpt_path="last"` resumes the new run (epoch 2 after its epoch 1),
+    where the old run's last would have had nothing left to train."""
+    root = tmp_path / "run"
+    _run(root, 3)
+    old = FilesystemTier("nvme", root / "tiers").steps()
+    fresh = _run(root, 1)  # a fresh start: no ckpt_path
+    assert sorted(fresh) == list(range(4))
+    steps = FilesystemTier("nvme", root / "tiers").steps()
+    assert steps[: len(old)] == old and len(steps) > len(old)  # the old run's kept, the new one's after them
+    resumed = _run(root, 2, "--resume")
+    assert sorted(resumed) == list(range(4, 8))  # the new run's epoch 2, resumed from its own epoch 1
+    assert resumed == {step: bits for step, bits in _run(tmp_path / "whole", 2).items() if step >= 4}
