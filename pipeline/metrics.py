@@ -130,6 +130,19 @@ class CheckpointStats:
         durable = {"durable_s": round(self.durable_s, 6), "gbps": round(self.gbps, 3)}
         return {"step": self.step, "outcome": self.outcome, **self.manifest_body(), **durable}
 
+    def figures(self, prefix: str = "tierstate/") -> dict[str, float]:
+        """The few numbers a dashboard plots per checkpoint, flat, under ``prefix``: what the HF callback
+        hands ``Trainer.log`` and the Lightning plugin the module's loggers (TensorBoard, W&B, MLflow)."""
+        figures = {
+            "step": self.step,
+            "blocked_s": round(self.blocked_s, 6),
+            "durable_s": round(self.durable_s, 6),
+            "gbps": round(self.gbps, 3),
+            "bytes": self.raw_bytes,
+            "failures": int(self.outcome == "failed"),
+        }
+        return {f"{prefix}{name}": value for name, value in figures.items()}
+
     def manifest_body(self) -> dict[str, Any]:
         """This rank's record in the manifest's ``stats`` (tiers/format.py: ``RankStatsRecord``), JSON
         form; written before the commit, so without the seconds to durable."""
@@ -208,6 +221,37 @@ class RunMetrics:
         stages = {name: dataclasses.replace(stage) for name, stage in self.stages.items()}
         return dataclasses.replace(self, stages=stages)
 
+    def flat(self) -> dict[str, float]:
+        """Every number of :meth:`as_dict` as ``{name: number}``, stages as ``stage_<name>_<field>`` and the
+        newest checkpoint's as ``last_<field>``: for metric systems that take flat names."""
+        flat: dict[str, float] = {k: v for k, v in self.as_dict().items() if isinstance(v, int | float)}
+        for name, stage in self.stages.items():
+            flat |= {f"stage_{name}_{k}": v for k, v in stage.as_dict().items() if isinstance(v, int | float)}
+        if self.last is not None:
+            flat |= {f"last_{k.removeprefix('tierstate/')}": v for k, v in self.last.figures().items()}
+        return flat
+
+    def prometheus(self, namespace: str = "tierstate") -> str:
+        """The run's metrics in Prometheus' text exposition format (for a textfile collector or an HTTP
+        handler): counts as counters, the rest as gauges, stages under a ``stage`` label."""
+        lines: list[str] = []
+        for name, value in self.flat().items():
+            if name.startswith("stage_"):
+                continue
+            metric = f"{namespace}_{name}"
+            kind = "counter" if name in _COUNTERS else "gauge"
+            lines += [f"# TYPE {metric} {kind}", f"{metric} {_number(value)}"]
+        fields = sorted({k for stage in self.stages.values() for k, v in stage.as_dict().items()
+                         if isinstance(v, int | float)})  # fmt: skip
+        for field_name in fields:
+            metric = f"{namespace}_stage_{field_name}"
+            lines.append(f"# TYPE {metric} gauge")
+            for stage_name, stage in self.stages.items():
+                value = stage.as_dict().get(field_name)
+                if isinstance(value, int | float):
+                    lines.append(f'{metric}{{stage="{stage_name}"}} {_number(value)}')
+        return "\n".join(lines) + "\n"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "requested": self.requested,
@@ -225,3 +269,13 @@ class RunMetrics:
             "stages": _stage_list(self.stages),
             "last": None if self.last is None else self.last.as_dict(),
         }
+
+
+#: RunMetrics fields that only grow over a run: Prometheus counters (the rest are gauges).
+_COUNTERS = frozenset({"requested", "durable", "failed", "skipped", "raw_bytes", "stored_bytes", "durable_s",
+                       "blocked_s", "cache_wait_s"})  # fmt: skip
+
+
+def _number(value: float) -> str:
+    """A sample value as the exposition format writes it (integers without a fraction)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -254,3 +254,16 @@ def test_a_fresh_start_can_be_refused_instead(tmp_path):
     with pytest.raises(ExistingCheckpointsError, match=r"earlier run's checkpoints \(nvme .*: steps \[1, 2\]\)"):
         fresh.train(resume_from_checkpoint=False)
     assert fresh.state.global_step == 0
+
+
+def test_each_checkpoints_figures_reach_the_trainers_own_log(tmp_path):
+    """tierstate/blocked_s, durable_s, gbps, bytes, failures in state.log_history (whence TensorBoard, W&B,
+    MLflow get them through the Trainer's reporting callbacks), one entry per checkpoint, at its step."""
+    trainer = _lr_trainer(tmp_path, tmp_path / "tiers", 1e-3, 4)
+    trainer.train()
+    entries = [entry for entry in trainer.state.log_history if "tierstate/step" in entry]
+    assert [entry["tierstate/step"] for entry in entries] == [1, 2, 3, 4]
+    for entry in entries:
+        assert entry["tierstate/failures"] == 0 and entry["tierstate/bytes"] > 300_000  # the tiny GPT-2 and AdamW
+        assert 0 < entry["tierstate/blocked_s"] < entry["tierstate/durable_s"] and entry["tierstate/gbps"] > 0
+    assert [entry for entry in trainer.state.log_history if "loss" in entry]  # the Trainer's own entries unchanged

@@ -160,3 +160,42 @@ def test_a_run_started_fresh_on_old_checkpoints_is_the_one_last_resumes(tmp_path
     resumed = _run(root, 2, "--resume")
     assert sorted(resumed) == list(range(4, 8))  # the new run's epoch 2, resumed from its own epoch 1
     assert resumed == {step: bits for step, bits in _run(tmp_path / "whole", 2).items() if step >= 4}
+
+
+def test_each_saves_figures_reach_the_lightning_loggers(tmp_path: Path) -> None:
+    """tierstate/blocked_s, durable_s, gbps, bytes, failures go to the saving Trainer's loggers (a real
+    CSVLogger here: its metrics.csv), one row per save, at the save's global step."""
+    import csv
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tierstate.integrations.lightning import TierstateCheckpointIO
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _index: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    io = TierstateCheckpointIO({"tiers": {"nvme": {"path": str(tmp_path / "tiers")}}})
+    logger = L.pytorch.loggers.CSVLogger(tmp_path / "logs", name="run")
+    trainer = L.Trainer(
+        max_epochs=3, plugins=[io], logger=logger, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)],
+        accelerator="cpu",
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    with open(Path(logger.log_dir) / "metrics.csv") as rows:
+        saves = [row for row in csv.DictReader(rows) if row.get("tierstate/step")]
+    assert [int(float(row["tierstate/step"])) for row in saves] == [1, 2, 3]
+    assert [int(row["step"]) for row in saves] == [2, 4, 6]  # each at the global step it saved
+    for row in saves:
+        assert float(row["tierstate/failures"]) == 0 and int(float(row["tierstate/bytes"])) > 0
+        assert 0 < float(row["tierstate/blocked_s"]) <= float(row["tierstate/durable_s"])

@@ -235,3 +235,25 @@ def test_a_merged_multi_rank_manifest_keeps_every_rank_stats(tmp_path: Path) -> 
     merged = merge_parts(1, parts)
     assert merged.stats is not None and sorted(merged.stats) == [0, 1]
     assert [merged.stats[rank].raw_bytes for rank in (0, 1)] == [MiB, 2 * MiB]
+
+
+def test_metrics_flat_and_as_prometheus_text(make_runner: Callable[..., Runner]) -> None:
+    runner = make_runner()
+    runner.register(t=TensorDictProvider(_tensors(2)))
+    for step in (1, 2):
+        runner.checkpoint(step).result()
+    metrics = runner.metrics()
+    flat = metrics.flat()
+    assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat.values())
+    assert flat["durable"] == 2 and flat["raw_bytes"] == 2 * 2 * MiB and flat["stage_persist_bytes"] == 2 * 2 * MiB
+    assert flat["last_step"] == 2 and flat["last_failures"] == 0 and flat["last_blocked_s"] > 0
+    text = metrics.prometheus()
+    samples = {}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert "# TYPE tierstate_durable counter" in text and "# TYPE tierstate_gbps gauge" in text
+    assert samples["tierstate_durable"] == 2 and samples["tierstate_raw_bytes"] == 4 * MiB
+    assert samples['tierstate_stage_bytes{stage="persist"}'] == 4 * MiB
+    assert set(samples) >= {f'tierstate_stage_units{{stage="{s}"}}' for s in CHAIN}

@@ -120,6 +120,7 @@ class TierstateCallback(TrainerCallback):
         self._rng = _RNGWhenAsked()
         self._registered = False
         self._pending: int | None = None  # a step whose checkpoint waits for the step's work to be over
+        self._unlogged: list[CheckpointHandle] = []  # requested, their figures not yet in the Trainer's log
 
     # --- binding to the Trainer ---------------------------------------------------------------
     @override
@@ -142,7 +143,7 @@ class TierstateCallback(TrainerCallback):
     ) -> Any:
         """``Trainer.train`` of the bound Trainer: a plain call resumes from the tiers' newest checkpoint."""
         self.runner = _runner(self.config)
-        self._registered, self._pending = False, None
+        self._registered, self._pending, self._unlogged = False, None, []
         try:
             newest = None
             trial = args[0] if args else kwargs.get("trial")
@@ -264,12 +265,27 @@ class TierstateCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._checkpoint_pending()
+        self._log_finished(wait=True)
 
     def _checkpoint_pending(self) -> None:
+        self._log_finished()
         if self._pending is None or self.runner is None:
             return
         step, self._pending = self._pending, None
         self.handle = self.runner.checkpoint(step)  # returns at once; failures are on the handle and in the log
+        self._unlogged.append(self.handle)
+
+    def _log_finished(self, wait: bool = False) -> None:
+        """Each finished checkpoint's figures (``tierstate/blocked_s``, ``durable_s``, ``gbps``, ``bytes``,
+        ``failures``) through ``Trainer.log``: into ``state.log_history`` and every reporting integration
+        (TensorBoard, W&B, MLflow), on the training thread, as the Trainer logs its own. ``wait``: at the
+        end of training, for the last ones to finish first."""
+        trainer = self._trainer
+        while self._unlogged and (wait or self._unlogged[0].done()):
+            handle = self._unlogged.pop(0)
+            handle.wait()
+            if trainer is not None:
+                trainer.log(handle.stats.figures())
 
 
 def _runner(config: Config) -> Runner:

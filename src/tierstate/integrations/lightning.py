@@ -31,6 +31,7 @@ Lightning is imported only when :class:`TierstateCheckpointIO` is first looked u
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import json
 import logging
 import os
@@ -156,6 +157,8 @@ class _TierstateIO:
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._hook: Any = None
         self._lock = threading.Lock()
+        # Saves whose figures are not yet with the saving Trainer's loggers: (handle, that Trainer, global step).
+        self._unlogged: list[tuple[CheckpointHandle, weakref.ref[Any], int | None]] = []
         self._watch_optimizers()
 
     # --- saving ---------------------------------------------------------------------------------
@@ -180,12 +183,29 @@ class _TierstateIO:
         step = self._next_step
         self._next_step += 1
         self.saving = checkpoint
+        self._log_finished()
         try:
             handle = runner.checkpoint(step)
         finally:
             self.saving, self.covered = {}, frozenset()
         pointer = {"kind": POINTER_KIND, "step": step, "global_step": checkpoint.get("global_step")}
         self._queue(self._publish, handle, Path(path), pointer)
+        trainer = _saving_trainer()
+        if trainer is not None:
+            self._unlogged.append((handle, weakref.ref(trainer), checkpoint.get("global_step")))
+
+    def _log_finished(self, wait: bool = False) -> None:
+        """Each finished save's figures (``tierstate/blocked_s``, ``durable_s``, ``gbps``, ``bytes``,
+        ``failures``) to the Lightning loggers of the Trainer that saved it (TensorBoard, CSV, W&B, MLflow),
+        from the training thread, at the next save; ``wait``: the last ones too, at teardown."""
+        while self._unlogged and (wait or self._unlogged[0][0].done()):
+            handle, trainer_ref, global_step = self._unlogged.pop(0)
+            handle.wait()
+            trainer = trainer_ref()
+            for logger in [] if trainer is None else trainer.loggers:
+                logger.log_metrics(handle.stats.figures(), step=global_step)
+                if wait:
+                    logger.save()
 
     def _publish(self, handle: CheckpointHandle, path: Path, pointer: dict[str, Any]) -> None:
         error = handle.exception()
@@ -260,6 +280,7 @@ class _TierstateIO:
 
         The plugin stays usable: a later save (another ``fit``) builds a new runner."""
         try:
+            self._log_finished(wait=True)
             self.wait()  # raises what a pointer write met (an OSError), after closing everything
         finally:
             with self._lock:
@@ -273,6 +294,23 @@ class _TierstateIO:
                 self._runner.close()
                 self._runner = None
                 self._entries.clear()
+
+
+def _saving_trainer() -> Any:
+    """The Lightning Trainer whose ``save_checkpoint`` is calling (up the stack: ``trainer.save_checkpoint``
+    -> its strategy -> this plugin), for its loggers; None when a save comes from elsewhere."""
+    from lightning.pytorch import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame kept alive keeps every local of the stack alive
 
 
 def _storages(optimizers: tuple[torch.optim.Optimizer, ...]) -> frozenset[int]:
