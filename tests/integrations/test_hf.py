@@ -4,6 +4,7 @@ exported for ``from_pretrained``. Real transformers, a tiny GPT-2 built from its
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -267,3 +268,13 @@ def test_each_checkpoints_figures_reach_the_trainers_own_log(tmp_path):
         assert entry["tierstate/failures"] == 0 and entry["tierstate/bytes"] > 300_000  # the tiny GPT-2 and AdamW
         assert 0 < entry["tierstate/blocked_s"] < entry["tierstate/durable_s"] and entry["tierstate/gbps"] > 0
     assert [entry for entry in trainer.state.log_history if "loss" in entry]  # the Trainer's own entries unchanged
+
+
+def test_a_resume_the_user_did_not_ask_for_is_said_at_the_default_level(tmp_path, caplog):
+    tiers = tmp_path / "tiers"
+    _lr_trainer(tmp_path, tiers, 1e-3, 2).train()
+    caplog.set_level(logging.WARNING)  # Python's default level
+    _lr_trainer(tmp_path, tiers, 1e-3, 3).train()
+    said = [r.getMessage() for r in caplog.records if r.name == "tierstate" and "resuming" in r.getMessage()]
+    assert len(said) == 1 and f"resuming from step 2 (tier nvme, {tiers / 'step-2'})" in said[0]
+    assert "resume_from_checkpoint=False" in said[0]

@@ -153,7 +153,10 @@ class TierstateCallback(TrainerCallback):
                 self._start_fresh(self.runner)
             if newest is None:
                 return train(resume_from_checkpoint or None, *args, **kwargs)
-            step, text = newest
+            step, text, where = newest
+            # HF's own default is to start afresh: a resume the user did not ask for is said at the default level.
+            log.warning("TierstateCallback: resuming from step %d (%s); trainer.train(resume_from_checkpoint=False) "
+                        "starts afresh instead", step, where)  # fmt: skip
             with tempfile.TemporaryDirectory(prefix="tierstate-resume-") as marker:
                 Path(marker, TRAINER_STATE_NAME).write_text(text)
                 with self._loading_from(marker, step):
@@ -325,8 +328,9 @@ def _state_json(trainer: Trainer) -> str:
     return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
-def _newest_trainer_state(runner: Runner) -> tuple[int, str] | None:
-    """The newest step on the runner's tiers whose Trainer state reads clean, and that state's JSON text."""
+def _newest_trainer_state(runner: Runner) -> tuple[int, str, str] | None:
+    """The newest step on the runner's tiers whose Trainer state reads clean, that state's JSON text, and
+    where it was read (tier and directory)."""
     steps = sorted({step for tier in runner.tiers for step in tier.steps()}, reverse=True)
     problems = []
     for step in steps:
@@ -345,7 +349,7 @@ def _newest_trainer_state(runner: Runner) -> tuple[int, str] | None:
             except COPY_ERRORS as exc:  # a damaged copy: the next tier's, or an older step
                 problems.append(f"{tier.name} step {step}: {exc}")
                 continue
-            return step, text
+            return step, text, f"tier {tier.name}, {tier.step_dir(step)}"
     if problems:
         raise TrainerIntegrationError("no checkpoint on the tiers reads clean: " + "; ".join(problems))
     return None
