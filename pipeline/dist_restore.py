@@ -61,6 +61,7 @@ from ..tiers.names import data_file_rank
 from ..tiers.pieces import CorruptCheckpointError
 from ..tiers.reader import read_items
 from ..tiers.reshard import Region, global_shape, read_regions, source_files
+from ..tiers.stored import StoredCheckpoint
 from .assign import balance
 from .distributed import CheckpointGroup
 from .restore import (
@@ -290,7 +291,8 @@ class _CollectiveRead:
                 lock.enter_context(reading(directory))  # retention cannot delete it while it is being read
                 manifest = tier.manifest(step)
                 self.kept = self._absent_rank_local(manifest)
-                require_providers(manifest, self.provider, where, leave_out=self.kept)
+                checkpoint = StoredCheckpoint(directory, step, manifest)
+                require_providers(checkpoint, self.provider, where, leave_out=self.kept)
                 wanted = set(self.provider.children) - set(self.kept)
                 keys = [k for k in manifest.items if k.split("/", 1)[0] in wanted]
                 view, regions, shared = self._plan(manifest, keys)

@@ -23,10 +23,8 @@ from ..providers.base import ReadState, RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import Manifest
 from ..tiers.gcpause import gc_paused
-from ..tiers.locks import reading
-from ..tiers.reader import COPY_ERRORS, read_items
+from ..tiers.stored import StoredCheckpoint
 
 log = logging.getLogger("tierstate")
 
@@ -96,7 +94,7 @@ def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = No
 
 
 def fresh_read(state: dict[str, Any]) -> ReadState:
-    """A state just read into buffers of its own (:func:`read_items`), as the providers receive it: every
+    """A state just read into buffers of its own (:meth:`StoredCheckpoint.read`), as the providers receive it: every
     tensor fresh, except those sharing storage with another item (tied weights), which a keeping
     provider must still copy, and empty ones, whose storages cannot be told apart."""
     tensors = {key: v for key, v in state.items() if isinstance(v, torch.Tensor)}
@@ -140,12 +138,12 @@ def restore_into(
                 continue
             started = time.perf_counter()
             try:
-                with reading(tier.step_dir(step)):  # retention cannot delete it while it is being read
-                    manifest = tier.manifest(step)
-                    require_providers(manifest, provider, f"restore step {step} from {tier.step_dir(step)}")
-                    keys = [k for k in manifest.items if k.split("/", 1)[0] in provider.children]
-                    state = fresh_read(read_items(tier.step_dir(step), manifest, keys, allow_pickle=allow_pickle))
-            except COPY_ERRORS as exc:
+                # Locked: retention cannot delete it while it is being read.
+                with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
+                    require_providers(checkpoint, provider, f"restore step {step} from {tier.step_dir(step)}")
+                    keys = checkpoint.keys_of(provider.children)
+                    state = fresh_read(checkpoint.read(keys, allow_pickle=allow_pickle))
+            except StoredCheckpoint.COPY_ERRORS as exc:
                 log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
                 problems.append(f"step {step} on tier {tier.name}: {exc}")
                 continue
@@ -159,19 +157,19 @@ def restore_into(
             seconds = time.perf_counter() - started
             problems = lost + problems
             return RestoreResult(
-                step, tier.name, tier.step_dir(step), manifest.raw_bytes, seconds, tuple(problems), (tier.name,)
+                step, tier.name, tier.step_dir(step), checkpoint.stored_bytes, seconds, tuple(problems), (tier.name,)
             )
     problems = lost_steps(tiers, min(candidates), newest) + problems
     raise NoCheckpointError(unusable(candidates[0], fallback, problems))
 
 
 def require_providers(
-    manifest: Manifest, provider: CompositeProvider, where: str, leave_out: Collection[str] = ()
+    checkpoint: StoredCheckpoint, provider: CompositeProvider, where: str, leave_out: Collection[str] = ()
 ) -> None:
     """Every registered provider that has state has items in the checkpoint: else a RestoreError naming the
     providers the checkpoint lacks and those it has (a renamed ``register`` name, a provider added since),
     instead of the first provider's complaint about a missing item."""
-    held = sorted({key.split("/", 1)[0] for key in manifest.items})
+    held = sorted({key.split("/", 1)[0] for key in checkpoint.keys})
     missing = [
         name for name, child in provider.children.items()
         if name not in held and name not in leave_out and child.describe()  # one with no state has nothing to lack

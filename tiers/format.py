@@ -34,7 +34,8 @@ from .codecs import Codec, ShuffleWidth
 from .dtypes import UnknownDtypeError, dtype_from_name
 from .gcpause import gc_paused
 from .names import data_file_name, data_file_rank, parse_rank_file
-from .safeopen import UnsafeFileError, read_bytes
+from .safeopen import UnsafeFileError
+from .source import ByteSource, as_source
 
 FORMAT_NAME = "tierstate"
 FORMAT_VERSION = 3  # the newest this reads
@@ -464,17 +465,19 @@ def _check_item(manifest: Manifest, key: str, item: AnyRecord) -> None:
         raise ValueError(f"pieces cover {covered} bytes, the item has {nbytes}")
 
 
-def read_manifest(directory: Path) -> Manifest:
-    path = directory / MANIFEST_NAME
+def read_manifest(location: Path | ByteSource) -> Manifest:
+    """The validated manifest of the checkpoint at ``location`` (a directory or any byte source)."""
+    source = as_source(location)
+    path = f"{source.where}/{MANIFEST_NAME}"
     try:
-        raw = read_bytes(path)
+        raw = source.read_small(MANIFEST_NAME)
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest (not a committed checkpoint)") from None
     except UnsafeFileError as exc:  # a symlink or FIFO planted under the manifest's name: never read
         raise ManifestError(exc.strerror) from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest: {exc.strerror}") from None
-    return parse_manifest(raw, str(path))
+    return parse_manifest(raw, path)
 
 
 def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[str, Any]]) -> bytes:

@@ -42,7 +42,8 @@ from .codecs import DECODE_BLOCK, CodecError, zstd_blocks
 from .filesystem import TierError
 from .format import FrameRecord, Manifest, ObjectRecord, Piece, TensorRecord
 from .framefile import feed_range, has_holes
-from .safeopen import check_regular, open_read
+from .safeopen import open_read
+from .source import ByteSource, DirectorySource, ShortReadError, as_source
 
 IOV_MAX = 1024
 K = TypeVar("K", bound=Hashable)
@@ -283,11 +284,6 @@ def _unreadable(exc: OSError, where: str) -> TierError:
     return TierError(exc.errno, f"{where}: cannot read: {exc.strerror or exc}")
 
 
-def _check_frame(frame: FrameRecord, actual: str, where: str) -> None:
-    if actual != frame.checksum:
-        raise CorruptCheckpointError(f"{where}: checksum mismatch (expected {frame.checksum}, got {actual})")
-
-
 def _read_frame(
     fd: int, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], dest: PieceDestination, where: str
 ) -> None:
@@ -327,17 +323,18 @@ def _read_verified(
         raise CorruptCheckpointError(f"{where}: {exc}") from None
 
 
-def check_file_sizes(directory: Path, manifest: Manifest) -> None:
+def check_file_sizes(location: Path | ByteSource, manifest: Manifest) -> None:
     """Refuse data files shorter than the manifest says, before anything is allocated for them.
 
-    Sizes in a manifest are claims; held against the files on disk they bound every buffer a read
-    allocates by the bytes really there (times zstd's largest ratio for compressed frames), and a
-    truncation is reported at once, by file and first missing frame.
+    Sizes in a manifest are claims; held against the objects really stored they bound every buffer
+    a read allocates by the bytes really there (times zstd's largest ratio for compressed frames),
+    and a truncation is reported at once, by file and first missing frame.
     """
+    source = as_source(location)
     for name, record in manifest.files.items():
-        path = directory / name
+        path = f"{source.where}/{name}"
         try:
-            size = check_regular(path).st_size
+            size = source.size(name)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: data file missing") from None
         if size < record.size:
@@ -347,7 +344,7 @@ def check_file_sizes(directory: Path, manifest: Manifest) -> None:
 
 
 def read_pieces(
-    directory: Path,
+    location: Path | ByteSource,
     manifest: Manifest,
     wanted: Mapping[Hashable, Sequence[Piece]],
     dest: PieceDestination,
@@ -357,12 +354,43 @@ def read_pieces(
 
     Frames are the unit of verification, so a frame is read whole even when only some of its
     bytes are wanted; each frame is read once however many pieces it holds. Returns the stored
-    bytes read.
+    bytes read. A directory is read through file descriptors (scatter reads into the destination,
+    holes checked); any other :class:`ByteSource` a frame at a time through ``read_into``, after
+    :func:`check_file_sizes` has bounded every frame by the bytes really stored.
     """
     by_frame: dict[tuple[str, int], list[tuple[Hashable, Piece]]] = defaultdict(list)
     for key, pieces in wanted.items():
         for piece in pieces:
             by_frame[(piece.file, piece.frame)].append((key, piece))
+    source = as_source(location)
+    if isinstance(source, DirectorySource):
+        _read_from_directory(source.directory, manifest, by_frame, dest, workers)
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tierstate-read") as pool:
+            futures = [
+                pool.submit(
+                    _read_frame_from,
+                    source,
+                    file,
+                    manifest.files[file].frames[frame],
+                    pieces,
+                    dest,
+                    f"{source.where}/{file} frame {frame}",
+                )
+                for (file, frame), pieces in sorted(by_frame.items())
+            ]
+            for future in futures:
+                future.result()
+    return sum(manifest.files[file].frames[frame].length for file, frame in by_frame)
+
+
+def _read_from_directory(
+    directory: Path,
+    manifest: Manifest,
+    by_frame: Mapping[tuple[str, int], list[tuple[Hashable, Piece]]],
+    dest: PieceDestination,
+    workers: int,
+) -> None:
     fds: dict[str, int] = {}
     try:
         for name in {file for file, _ in by_frame}:
@@ -389,16 +417,45 @@ def read_pieces(
     finally:
         for fd in fds.values():
             os.close(fd)
-    return sum(manifest.files[file].frames[frame].length for file, frame in by_frame)
+
+
+def _read_frame_from(
+    source: ByteSource,
+    file: str,
+    frame: FrameRecord,
+    pieces: list[tuple[Hashable, Piece]],
+    dest: PieceDestination,
+    where: str,
+) -> None:
+    """One frame of a non-directory source: its stored bytes read whole, verified, then decoded."""
+    stored = bytearray(frame.length)
+    try:
+        source.read_into(file, frame.offset, memoryview(stored))
+    except ShortReadError as exc:
+        raise CorruptCheckpointError(f"{where}: truncated ({exc.strerror})") from None
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{source.where}/{file}: data file missing") from None
+    except TierstateError:
+        raise
+    except OSError as exc:
+        raise _unreadable(exc, where) from None
+    _check(xxhash.xxh3_64_hexdigest(stored), frame, where)
+    try:
+        _decode_into(bytes(stored), frame, sorted(pieces, key=lambda kp: kp[1].offset), dest)
+    except CodecError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
 
 
 def read_records(
-    directory: Path, manifest: Manifest, records: Mapping[K, TensorRecord | ObjectRecord], workers: int = 4
+    location: Path | ByteSource,
+    manifest: Manifest,
+    records: Mapping[K, TensorRecord | ObjectRecord],
+    workers: int = 4,
 ) -> dict[K, torch.Tensor]:
     """The stored bytes of each record, every frame verified on the way: key -> uint8 tensor of its own."""
     dest = ByteBuffers()
     for key, record in records.items():
         dest.add(key, manifest.record_nbytes(record))
-    read_pieces(directory, manifest, {key: record.pieces for key, record in records.items()}, dest, workers)
+    read_pieces(location, manifest, {key: record.pieces for key, record in records.items()}, dest, workers)
     buffers = dest.buffers  # built once: one lookup per record, not one dict per record
     return {key: buffers[key] for key in records}

@@ -26,6 +26,7 @@ from .boxes import Box
 from .dtypes import dtype_from_name
 from .format import Manifest, Piece, ShardedRecord, TensorRecord
 from .pieces import ByteBuffers, allocate, read_pieces
+from .source import ByteSource
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,9 @@ class RegionsRead(NamedTuple):
     bytes_read: int  # stored bytes read for them (whole frames)
 
 
-def read_regions(directory: Path, manifest: Manifest, regions: Sequence[Region], workers: int = 4) -> RegionsRead:
+def read_regions(
+    location: Path | ByteSource, manifest: Manifest, regions: Sequence[Region], workers: int = 4
+) -> RegionsRead:
     """One tensor per region, its box of the global tensor, in one verified pass over the frames needed."""
     windows = ByteBuffers()
     wanted: dict[Hashable, list[Piece]] = {}
@@ -123,7 +126,7 @@ def read_regions(directory: Path, manifest: Manifest, regions: Sequence[Region],
                 windows.add((i, j), end - base, base, f"item {region.key!r}")
                 found.append(((i, j), source, overlap))
         overlaps.append(found)
-    bytes_read = read_pieces(directory, manifest, wanted, windows, workers)
+    bytes_read = read_pieces(location, manifest, wanted, windows, workers)
     tensors = [_assemble(region, found, windows) for region, found in zip(regions, overlaps, strict=True)]
     return RegionsRead(tensors, bytes_read)
 

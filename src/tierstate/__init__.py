@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.tiers.migrate import MigrateError
     from tierstate.tiers.objcodec import ObjectCodecError
     from tierstate.tiers.pieces import ReadTooLargeError
-    from tierstate.tiers.reader import CorruptCheckpointError, load
+    from tierstate.tiers.stored import CorruptCheckpointError, load
 
 # Where the public names live: imported from there on first use.
 _HOMES = {
@@ -91,7 +91,7 @@ _HOMES = {
     "tierstate.tiers.migrate": ("MigrateError",),
     "tierstate.tiers.objcodec": ("ObjectCodecError",),
     "tierstate.tiers.pieces": ("ReadTooLargeError",),
-    "tierstate.tiers.reader": ("CorruptCheckpointError", "load"),
+    "tierstate.tiers.stored": ("CorruptCheckpointError", "load"),
 }  # fmt: skip
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 

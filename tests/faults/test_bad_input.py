@@ -43,7 +43,8 @@ from tierstate.tiers.format import (
     parse_manifest,
 )
 from tierstate.tiers.objcodec import MAX_DEPTH, ObjectCodecError, decode_object, encode_object
-from tierstate.tiers.reader import CorruptCheckpointError, load, read_items
+from tierstate.tiers.reader import read_items
+from tierstate.tiers.stored import CorruptCheckpointError, load
 
 pytestmark = pytest.mark.faults
 
@@ -336,7 +337,7 @@ def test_a_too_deep_object_fails_its_checkpoint_and_training_goes_on(tmp_path: P
 DECODE_IN_A_CHILD = """
 import sys, threading
 from tierstate.tiers.objcodec import ObjectCodecError, decode_object
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 
 def attempt(name, decode):
     try:

@@ -26,7 +26,7 @@ from tierstate.errors import TierstateError
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.format import MANIFEST_NAME, MissingItemError, manifest_bytes, read_manifest
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 from tierstate.tiers.verify import STAMP_NAME
 
 pytestmark = pytest.mark.faults

@@ -23,7 +23,7 @@ from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate
 from tierstate.tiers.pacing import Pacer
 from tierstate.tiers.policy import RetentionPolicy
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 from tierstate.tiers.retention import TierPolicies
 
 MiB = 1 << 20

@@ -14,7 +14,7 @@ import torch
 
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers import codecs
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 
 
 def test_compress_into_round_trips_and_refuses_incompressible() -> None:

@@ -37,7 +37,7 @@ from tierstate.providers import ModuleProvider, RNGProvider, TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.format import ShardedRecord, TensorRecord, parse_index
 from tierstate.tiers.migrate import migrate
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 from tierstate.tiers.verify import verify_step
 
 WORKER = REPO / "tests" / "dist_worker.py"

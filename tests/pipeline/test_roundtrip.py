@@ -18,7 +18,7 @@ from tierstate.providers import (
 )
 from tierstate.tiers.dtypes import DTYPES
 from tierstate.tiers.format import read_manifest
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

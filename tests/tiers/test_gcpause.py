@@ -10,7 +10,7 @@ import torch
 
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.gcpause import gc_paused
-from tierstate.tiers.reader import load
+from tierstate.tiers.stored import load
 
 
 def test_pauses_nest_across_threads_and_the_last_one_out_resumes() -> None:

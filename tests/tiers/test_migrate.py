@@ -20,7 +20,7 @@ from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.format import ManifestError
 from tierstate.tiers.migrate import MigrateError, migrate
 from tierstate.tiers.pacing import Pacer
-from tierstate.tiers.reader import CorruptCheckpointError, load
+from tierstate.tiers.stored import CorruptCheckpointError, load
 from tierstate.tiers.verify import verify_step
 
 MiB = 1 << 20

@@ -22,7 +22,7 @@ from tierstate.tiers.format import (
     now_iso,
 )
 from tierstate.tiers.multirank import RankPart, merge_parts, rank_view
-from tierstate.tiers.reader import CorruptCheckpointError, load
+from tierstate.tiers.stored import CorruptCheckpointError, load
 from tierstate.tiers.reshard import Region, read_regions
 
 MiB = 1 << 20

@@ -56,8 +56,7 @@ from tierstate.pipeline.config import PipelineConfig
 from tierstate.pipeline.handle import CheckpointHandle
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ObjectProvider, RNGProvider
-from tierstate.tiers.locks import reading
-from tierstate.tiers.reader import COPY_ERRORS, read_items
+from tierstate.tiers.stored import StoredCheckpoint
 
 TRAINER_STATE_NAME = "trainer_state.json"  # the file HF's resume path reads the TrainerState from
 TRAINER_STATE_KEY = "trainer/value"  # the checkpoint item holding that file's text
@@ -338,15 +337,14 @@ def _newest_trainer_state(runner: Runner) -> tuple[int, str, str] | None:
             if step not in tier.steps():
                 continue
             try:
-                with reading(tier.step_dir(step)):
-                    manifest = tier.manifest(step)
-                    if TRAINER_STATE_KEY not in manifest.items:
+                with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
+                    if TRAINER_STATE_KEY not in checkpoint.keys:
                         raise TrainerIntegrationError(
                             f"{tier.step_dir(step)}: no Trainer state ({TRAINER_STATE_KEY}): not written by "
                             "TierstateCallback; point it at tiers of its own, or resume with resume_from_checkpoint"
                         )
-                    text = read_items(tier.step_dir(step), manifest, [TRAINER_STATE_KEY])[TRAINER_STATE_KEY]
-            except COPY_ERRORS as exc:  # a damaged copy: the next tier's, or an older step
+                    text = checkpoint.read([TRAINER_STATE_KEY])[TRAINER_STATE_KEY]
+            except StoredCheckpoint.COPY_ERRORS as exc:  # a damaged copy: the next tier's, or an older step
                 problems.append(f"{tier.name} step {step}: {exc}")
                 continue
             return step, text, f"tier {tier.name}, {tier.step_dir(step)}"

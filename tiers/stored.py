@@ -1,0 +1,239 @@
+"""One stored checkpoint as one object: what every reader outside the reading layers takes.
+
+Like DCP's ``StorageReader``, a :class:`StoredCheckpoint` owns where the checkpoint is (a
+:class:`~tiers.source.ByteSource`: a directory now, a bucket prefix next), its manifest (read and
+validated once, checked against the step it was asked for), the read lock that keeps retention from
+deleting it meanwhile, and a rank's view of it (:class:`RankView`). Readers (restore on one rank or
+many, export, the HF directory, the CLI, the DCP and HF integrations) ask it for items, regions of
+sharded tensors and the layout to reshard by, and never handle manifests, rank views, stored keys or
+the reading modules below (:mod:`tiers.format`, :mod:`tiers.pieces`, :mod:`tiers.multirank`,
+:mod:`tiers.reshard`, :mod:`tiers.reader`). Every byte handed out was verified against its frame's
+checksum on the way (the reading layers' contract).
+
+Typical use::
+
+    with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
+        state = checkpoint.read(keys, allow_pickle=False)
+    # a copy at fault raises one of StoredCheckpoint.COPY_ERRORS: try the next copy
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .boxes import Box
+from .format import (
+    AnyRecord,
+    Manifest,
+    ManifestError,
+    MissingItemError,
+    NodePart,
+    ObjectRecord,
+    PerRankRecord,
+    ShardedRecord,
+    TensorRecord,
+    read_manifest,
+    stored_key,
+)
+from .gcpause import gc_paused
+from .locks import reading
+from .multirank import rank_view
+from .names import data_file_rank
+from .pieces import CorruptCheckpointError, check_file_sizes, read_records
+from .reader import COPY_ERRORS, read_view
+from .reshard import Region, RegionsRead, global_shape, read_regions
+from .source import ByteSource, DirectorySource, as_source
+
+__all__ = ["COPY_ERRORS", "CorruptCheckpointError", "RankView", "Region", "StoredCheckpoint", "load"]
+
+
+class StoredCheckpoint:
+    """A committed checkpoint at one location, its manifest read and validated once.
+
+    ``step``, when given, must be the step the manifest names (a copy under ``step-7`` whose
+    manifest says step 6 is refused with a ManifestError). Reading never changes the checkpoint.
+    """
+
+    #: What reading one copy fails with when that copy is at fault (invalid, damaged, unreadable, too
+    #: large for this machine, without the items asked for): the next copy may be tried. A refusal by
+    #: policy (an object that needs pickle) is not among them: every copy would be refused alike.
+    COPY_ERRORS = COPY_ERRORS
+
+    def __init__(self, location: Path | ByteSource, step: int | None = None, manifest: Manifest | None = None) -> None:
+        self.source = as_source(location)
+        self.manifest = manifest if manifest is not None else read_manifest(self.source)
+        if step is not None and self.manifest.step != step:
+            raise ManifestError(f"{self.source.where}: manifest is for step {self.manifest.step}, not step {step}")
+        self._sizes_checked = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def locked(cls, location: Path | ByteSource, step: int | None = None) -> Iterator[StoredCheckpoint]:
+        """The checkpoint, read under a shared lock held until the block ends, so that retention or a
+        migration cannot delete it while it is being read (a directory; other sources have no lock)."""
+        source = as_source(location)
+        with reading(source.directory) if isinstance(source, DirectorySource) else contextlib.nullcontext():
+            yield cls(source, step)
+
+    # --- what it is ----------------------------------------------------------------------------
+    @property
+    def where(self) -> str:
+        """The location, for messages: a path or a bucket prefix."""
+        return self.source.where
+
+    @property
+    def directory(self) -> Path | None:
+        """The local directory holding it, or None for a source that is no directory."""
+        return self.source.directory if isinstance(self.source, DirectorySource) else None
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
+
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes its data files take, as the manifest records them."""
+        return self.manifest.raw_bytes
+
+    @property
+    def keys(self) -> list[str]:
+        """Every item's key, in the manifest's order."""
+        return list(self.manifest.items)
+
+    def providers(self) -> list[str]:
+        """The providers it holds: the first part of its keys (``model`` of ``model/0.weight``)."""
+        return sorted({key.split("/", 1)[0] for key in self.manifest.items if "/" in key})
+
+    def keys_of(self, providers: Iterable[str]) -> list[str]:
+        """The keys of the items of ``providers`` (by the first part of each key)."""
+        wanted = set(providers)
+        return [key for key in self.manifest.items if key.split("/", 1)[0] in wanted]
+
+    def view(self, rank: int = 0, keys: Iterable[str] | None = None) -> RankView:
+        """The checkpoint as ``rank`` reads it: ``keys`` (all by default) with per-rank items resolved to
+        ``rank``'s value. MissingItemError names a wanted per-rank item ``rank`` has no value of."""
+        wanted = self.keys if keys is None else list(keys)
+        unknown = [k for k in wanted if k not in self.manifest.items]
+        if unknown:
+            raise MissingItemError(f"{self.where}: no item(s) {', '.join(unknown[:8])}")
+        return RankView(self, rank, wanted)
+
+    # --- reading ---------------------------------------------------------------------------------
+    def read(
+        self, keys: Iterable[str] | None = None, allow_pickle: bool = False, rank: int = 0, workers: int = 4
+    ) -> dict[str, Any]:
+        """Items (all by default): key -> tensor (CPU, a buffer of its own; a tied tensor is its target's)
+        or object. Sharded tensors come back whole, per-rank items as ``rank``'s."""
+        return self.view(rank, keys).read(allow_pickle=allow_pickle, workers=workers)
+
+    def check_sizes(self) -> None:
+        """Refuse data files shorter than the manifest says (once), before anything is allocated."""
+        if not self._sizes_checked:
+            check_file_sizes(self.source, self.manifest)
+            self._sizes_checked = True
+
+
+class RankView:
+    """One rank's view of a :class:`StoredCheckpoint`: the items it wants, per-rank ones resolved to its own."""
+
+    def __init__(self, checkpoint: StoredCheckpoint, rank: int, keys: list[str]) -> None:
+        self.checkpoint = checkpoint
+        self.rank = rank
+        self.keys = keys
+        self._view = rank_view(checkpoint.manifest, rank, keys)
+
+    @property
+    def node_part(self) -> NodePart | None:
+        """Which node's part this copy is, when it is one (it lacks other nodes' files)."""
+        return self._view.node_part
+
+    def record(self, key: str) -> AnyRecord:
+        return self._view.items[key]
+
+    def stored_key(self, key: str) -> str:
+        """The item that holds ``key``'s bytes: its alias target (a tied tensor), else ``key`` itself."""
+        return stored_key(key, self._view.items[key])
+
+    def stored_keys(self, keys: Iterable[str] | None = None) -> list[str]:
+        """The stored items behind ``keys`` (all of this view's by default), each once, in order."""
+        return list(dict.fromkeys(self.stored_key(k) for k in (self.keys if keys is None else keys)))
+
+    def is_sharded(self, key: str) -> bool:
+        return isinstance(self._view.items[self.stored_key(key)], ShardedRecord)
+
+    def is_per_rank(self, key: str) -> bool:
+        return isinstance(self.checkpoint.manifest.items[key], PerRankRecord)
+
+    def tensor_record(self, key: str) -> TensorRecord | ShardedRecord | None:
+        """``key``'s stored tensor record (plain or sharded), or None if it holds an object."""
+        record = self._view.items[key]
+        return record if isinstance(record, TensorRecord | ShardedRecord) else None
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        record = self.tensor_record(key)
+        if record is None:
+            raise ValueError(f"{self.checkpoint.where}: item {key!r} is no tensor")
+        return global_shape(record)
+
+    def holds_bytes_of(self, key: str) -> bool:
+        """Whether the bytes of stored item ``key`` are in this copy's files (a node's part lacks some)."""
+        record = self._view.items[key]
+        return not isinstance(record, ObjectRecord) or all(piece.file in self._view.files for piece in record.pieces)
+
+    def writer_of(self, key: str) -> int | None:
+        """The rank whose data file holds object ``key`` (None if not an object of one rank's file)."""
+        record = self._view.items[key]
+        files = {piece.file for piece in record.pieces} if isinstance(record, ObjectRecord) else set()
+        return data_file_rank(next(iter(files))) if len(files) == 1 else None
+
+    def read(self, keys: Iterable[str] | None = None, allow_pickle: bool = False, workers: int = 4) -> dict[str, Any]:
+        """Items of this view (``keys``, all by default), every frame verified: key -> tensor or object."""
+        self.checkpoint.check_sizes()
+        wanted = self.keys if keys is None else list(keys)
+        return read_view(self.checkpoint.source, self._view, wanted, allow_pickle, workers)
+
+    def read_regions(self, regions: Sequence[Region], workers: int = 4) -> RegionsRead:
+        """One tensor per region (a box of a stored tensor), in one verified pass over the frames needed."""
+        self.checkpoint.check_sizes()
+        return read_regions(self.checkpoint.source, self._view, regions, workers)
+
+    def region(self, key: str, box: Box | None = None) -> Region:
+        """The region of stored tensor ``key`` inside ``box`` (a :class:`~tiers.boxes.Box`; whole by default)."""
+        record = self.tensor_record(key)
+        if record is None:
+            raise ValueError(f"{self.checkpoint.where}: item {key!r} is no tensor")
+        return Region(key, record, Box.whole(global_shape(record)) if box is None else box)
+
+    def shard_boxes(self, key: str) -> list[Box]:
+        """The boxes the shards of sharded tensor ``key`` were saved as (the layout to reshard from)."""
+        record = self._view.items[key]
+        if not isinstance(record, ShardedRecord):
+            raise ValueError(f"{self.checkpoint.where}: item {key!r} is not sharded")
+        return record.boxes()
+
+    def raw_bytes(
+        self, records: Mapping[str, TensorRecord | ObjectRecord], workers: int = 4
+    ) -> dict[str, torch.Tensor]:
+        """The stored bytes of plain records (uint8, each its own buffer), verified: for exporters."""
+        self.checkpoint.check_sizes()
+        return read_records(self.checkpoint.source, self._view, records, workers)
+
+    def manifest_of_view(self) -> Manifest:
+        """The view as a manifest (for batching by frame), read-only."""
+        return self._view
+
+
+def load(path: str | os.PathLike[str], allow_pickle: bool = False) -> dict[str, Any]:
+    """The plain state of one committed checkpoint directory, without a runner: key -> value."""
+    with gc_paused():  # the manifest's records and the items' buffers: see tiers/gcpause.py
+        return StoredCheckpoint(Path(path)).read(allow_pickle=allow_pickle)
