@@ -1,0 +1,142 @@
+"""A real S3-protocol server for the s3 tier tests, and a real HTTP proxy in front of it that drops or
+throttles chosen requests (moto cannot inject faults; a proxy on 127.0.0.1 is the network failing)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "tierstate-test",
+    "AWS_SECRET_ACCESS_KEY": "tierstate-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # Nothing from the machine's own AWS setup takes part: no profile file, no instance metadata.
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's ThreadedMotoServer on a free port of 127.0.0.1; its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@contextmanager
+def minio_server(binary: str) -> Iterator[str]:
+    """A MinIO server (``TIERSTATE_TEST_MINIO`` names its binary) on a free port, data in a temporary dir."""
+    port = _free_port()
+    data = tempfile.mkdtemp(prefix="tierstate-minio-")
+    env = {
+        **os.environ,
+        "MINIO_ROOT_USER": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "MINIO_ROOT_PASSWORD": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+    }
+    process = subprocess.Popen(
+        [binary, "server", data, "--address", f"127.0.0.1:{port}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # readiness: the port answering its health check
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                conn.request("GET", "/minio/health/ready")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"MinIO ({binary}) did not start") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+class FaultyProxy:
+    """Forwards HTTP to ``upstream``; ``plan`` holds what to do to the next requests, one entry each:
+    ``"drop"`` closes the connection without an answer, ``"503"`` answers 503 SlowDown, ``"pass"``
+    forwards. Requests past the plan are forwarded. ``seen`` counts the requests that arrived."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.removeprefix("http://")
+        self.plan: list[str] = []
+        self.seen = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002, ARG002
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    proxy.seen += 1
+                    action = proxy.plan.pop(0) if proxy.plan else "pass"
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action == "503":
+                    answer = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                reply = conn.getresponse()
+                data = reply.read()
+                self.send_response(reply.status)
+                for key, value in reply.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection", "server", "date"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any  # noqa: N815
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

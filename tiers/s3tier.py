@@ -1,0 +1,183 @@
+"""A tier that is an S3 bucket prefix: the commit protocol of DESIGN.md without a rename.
+
+Layout: ``<prefix>/step-N/<file>`` holds a checkpoint's data files and indexes under the names they
+have on a file system tier, and ``<prefix>/step-N/manifest.json`` publishes it. Object stores have
+no rename, so the commit is the order of writes: every data object and index first (large ones as
+multipart uploads, each part CRC32-checked by the server), the manifest last with a conditional put
+(``If-None-Match: *``). A prefix without its manifest is not a checkpoint, whatever else it holds,
+and of two writers publishing the same step exactly one succeeds; the other gets a
+CheckpointExistsError naming the tier.
+
+Every frame is verified in its source before a byte of it is uploaded, and every frame downloaded
+is verified before the copy is committed on the local tier, so the bucket never publishes what the
+source could not prove, and restore never takes a damaged object: it fails naming it, and the
+restore path falls back to the next copy as for any tier.
+
+A writer killed mid-checkpoint leaves objects without a manifest and, mid-upload, an incomplete
+multipart upload (billed, invisible to listings). :meth:`S3Tier.collect_garbage` removes both once
+they are older than the grace period, so a writer still at work is never disturbed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from .filesystem import FilesystemTier, TierError
+from .format import MANIFEST_NAME, Manifest, manifest_bytes, parse_manifest
+from .objstore import ObjectStore, Progress
+from .reader import CorruptCheckpointError
+from .safeopen import open_or_create, open_read
+from .verify import verify_directory
+
+_STEP_MANIFEST_RE = re.compile(rf"^step-(\d+)/{re.escape(MANIFEST_NAME)}$")
+_STEP_OBJECT_RE = re.compile(r"^step-(\d+)/")
+
+
+@dataclass
+class TransferReport:
+    step: int
+    source: str
+    target: str
+    outcome: str  # "copied" or "already there"
+    files: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Leftover:
+    """What gc found under the prefix: an orphan object or an incomplete upload, and what it did."""
+
+    what: str  # the s3:// URL of the object, or of the upload's key
+    kind: str  # "orphan object" or "incomplete upload"
+    removed: bool
+
+
+@dataclass
+class S3Tier:
+    """A shared tier in one bucket prefix; ``store`` does the talking (see :mod:`tiers.objstore`)."""
+
+    name: str
+    store: ObjectStore
+    scope: str = field(default="shared", init=False)
+
+    def step_prefix(self, step: int) -> str:
+        return f"step-{step}/"
+
+    def steps(self) -> list[int]:
+        """Committed steps: those whose manifest object exists."""
+        found = {int(m.group(1)) for o in self.store.list("step-") if (m := _STEP_MANIFEST_RE.match(o.name))}
+        return sorted(found)
+
+    def manifest(self, step: int) -> Manifest:
+        name = self.step_prefix(step) + MANIFEST_NAME
+        return parse_manifest(self.store.get_bytes(name), self.store.where(name))
+
+    # -- writing --------------------------------------------------------------------------------
+    def upload(self, source: Path, manifest: Manifest, progress: Progress | None = None) -> TransferReport:
+        """Publish the committed checkpoint in directory ``source`` (described by ``manifest``) as
+        ``step-N`` here: verified first, data and indexes uploaded, the manifest last and conditional."""
+        step = manifest.step
+        report = TransferReport(step, str(source), self.store.where(self.step_prefix(step)), "copied")
+        if manifest.node_part is not None:
+            raise TierError(
+                errno.EOPNOTSUPP, f"tier {self.name}: {source} is one node's part; an s3 tier takes whole checkpoints"
+            )
+        if step in self.steps():
+            existing = self.manifest(step)
+            if manifest_bytes(existing) != manifest_bytes(manifest):
+                raise TierError(
+                    errno.EEXIST,
+                    f"tier {self.name} already holds a different checkpoint for step {step} "
+                    f"(created {existing.created}; the one in {source} was created {manifest.created})",
+                )
+            report.outcome = "already there"
+            return report
+        problems = verify_directory(source, manifest)
+        if problems:
+            raise CorruptCheckpointError(f"{source}: {problems[0]}; not uploading it to tier {self.name}")
+        for name in sorted(manifest.indexes) + sorted(manifest.files):
+            fd = open_read(source / name)
+            try:
+                size = os.fstat(fd).st_size
+                self.store.put_file(self.step_prefix(step) + name, fd, size, progress)
+            finally:
+                os.close(fd)
+            report.files += 1
+            report.bytes += size
+        self.store.put_bytes(self.step_prefix(step) + MANIFEST_NAME, manifest_bytes(manifest), if_absent=True)
+        return report
+
+    # -- reading --------------------------------------------------------------------------------
+    def download(self, step: int, target: FilesystemTier, progress: Progress | None = None) -> TransferReport:
+        """Copy ``step-N`` to file system tier ``target`` with parallel ranged GETs, verify every frame
+        and index there, and only then commit it; a damaged object fails naming it and commits nothing."""
+        manifest = self.manifest(step)
+        report = TransferReport(step, self.store.where(self.step_prefix(step)), str(target.step_dir(step)), "copied")
+        if step in target.steps():
+            report.outcome = "already there"
+            return report
+        partial = target.begin(step)
+        try:
+            sizes = {n: r.size for n, r in manifest.files.items()}
+            listed = {o.name: o.size for o in self.store.list(self.step_prefix(step))}
+            for name in sorted(manifest.indexes) + sorted(manifest.files):
+                key = self.step_prefix(step) + name
+                if key not in listed:
+                    where = self.store.where(key)
+                    raise CorruptCheckpointError(f"{where} is missing (step {step} on tier {self.name})")
+                size = listed[key]
+                if name in sizes and size != sizes[name]:
+                    raise CorruptCheckpointError(
+                        f"{self.store.where(key)} is {size} bytes, the manifest says {sizes[name]}"
+                    )
+                fd = open_or_create(partial / name)
+                try:
+                    self.store.get_file(key, fd, size, progress)
+                finally:
+                    os.close(fd)
+                report.files += 1
+                report.bytes += size
+            problems = verify_directory(partial, manifest)
+            if problems:
+                raise CorruptCheckpointError(
+                    f"{self.store.where(self.step_prefix(step) + problems[0].file)}: {problems[0]} "
+                    f"(step {step} on tier {self.name})"
+                )
+            target.commit(step, manifest)
+        except BaseException:
+            target.abort(step)
+            raise
+        return report
+
+    # -- deleting -------------------------------------------------------------------------------
+    def delete_step(self, step: int) -> None:
+        """The manifest first (the step stops being a checkpoint at once), then everything under it."""
+        prefix = self.step_prefix(step)
+        self.store.delete([prefix + MANIFEST_NAME])
+        self.store.delete([o.name for o in self.store.list(prefix)])
+
+    def collect_garbage(self, older_than: float, dry_run: bool = False) -> list[Leftover]:
+        """Remove, once older than ``older_than`` seconds, objects of a step that has no manifest and
+        multipart uploads never completed: what a killed writer leaves. Committed steps are not touched."""
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
+        committed = set(self.steps())
+        found: list[Leftover] = []
+        orphans = [
+            o
+            for o in self.store.list("step-")
+            if (m := _STEP_OBJECT_RE.match(o.name)) and int(m.group(1)) not in committed and o.modified < cutoff
+        ]
+        if not dry_run:
+            self.store.delete([o.name for o in orphans])
+        found += [Leftover(self.store.where(o.name), "orphan object", not dry_run) for o in orphans]
+        for upload in self.store.uploads():
+            if upload.last_active < cutoff:
+                if not dry_run:
+                    self.store.abort_upload(upload)
+                found.append(Leftover(self.store.where(upload.name), "incomplete upload", not dry_run))
+        return found
