@@ -52,6 +52,7 @@ from tierstate.providers import (  # noqa: E402
     RNGProvider,
     StatefulProvider,
     StateProvider,
+    empty_init,
     materialize,
 )
 
@@ -106,7 +107,7 @@ def build(config: TrainConfig, for_restore: bool = False) -> Trainer:
     random.seed(config.seed)
     np.random.seed(config.seed)
     if for_restore:
-        with torch.device("meta"):
+        with empty_init():  # the meta device, and torch.nn.init's calls skipped
             model = GPT(config.model)
         materialize(model)
     else:

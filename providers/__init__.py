@@ -4,7 +4,7 @@ from .atomic import ChildRestoreError
 from .base import CheckedProvider, ReadState, RestoreError, StateProvider, fresh_keys, require_keys
 from .composite import CompositeProvider, ProviderNameError, sub_state
 from .items import SERIALIZERS, Item, ObjectItem, Serializer, ShardInfo, TensorItem
-from .materialize import MetaBufferError, materialize
+from .materialize import MetaBufferError, empty_init, materialize
 from .module import ModuleProvider
 from .objects import ObjectProvider
 from .optimizer import OptimizerProvider
@@ -37,6 +37,7 @@ __all__ = [
     "TensorDictProvider",
     "TensorItem",
     "fresh_keys",
+    "empty_init",
     "join_tensors",
     "materialize",
     "require_keys",

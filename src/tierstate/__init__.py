@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
         StateProvider,
         TensorDictProvider,
         TensorItem,
+        empty_init,
         materialize,
     )
     from tierstate.tiers.codecs import CodecError
@@ -79,7 +80,7 @@ _HOMES = {
         "ChildRestoreError", "CompositeProvider", "MetaBufferError", "ModuleProvider", "ObjectItem", "ObjectProvider",
         "OptimizerProvider", "ProviderNameError", "RestoreError", "RNGProvider", "ShardInfo", "StatefulProvider",
         "StateProvider",
-        "TensorDictProvider", "TensorItem", "materialize",
+        "TensorDictProvider", "TensorItem", "empty_init", "materialize",
     ),
     "tierstate.tiers.codecs": ("CodecError",),
     "tierstate.tiers.commands": ("UsageError",),
@@ -162,6 +163,7 @@ __all__ = [
     "UnknownDtypeError",
     "UsageError",
     "__version__",
+    "empty_init",
     "load",
     "load_config",
     "materialize",

@@ -17,7 +17,7 @@ from torch import nn
 
 from examples.gpt import GPTConfig
 from examples.train_gpt import TrainConfig, attach, build, state_digests, train_steps
-from tierstate import MetaBufferError, RestoreError, Runner, materialize
+from tierstate import MetaBufferError, RestoreError, Runner, empty_init, materialize
 from tierstate.providers import ModuleProvider, OptimizerProvider
 
 TINY = TrainConfig(steps=8, every=3, batch_size=4, model=GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2))
@@ -115,3 +115,14 @@ def test_materialize_refuses_buffers_no_checkpoint_holds() -> None:
     with pytest.raises(MetaBufferError, match=r"persistent=False.*restores them: inv_freq"):
         materialize(module)
     assert module.proj.weight.is_meta  # refused before anything was allocated
+
+
+def test_empty_init_builds_on_meta_without_calling_init_and_puts_torch_init_back() -> None:
+    normal = torch.nn.init.normal_
+    with empty_init():
+        module = nn.Sequential(nn.Linear(4, 4), nn.Embedding(8, 4), nn.LayerNorm(4))
+        assert torch.nn.init.normal_ is not normal
+    assert torch.nn.init.normal_ is normal
+    assert all(t.is_meta for t in module.state_dict().values())
+    materialize(module)
+    assert not any(t.is_meta for t in module.state_dict().values())
