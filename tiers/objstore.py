@@ -46,6 +46,10 @@ _CREDENTIAL_CODES = {
 }
 
 
+class ObjectMissingError(TierError, FileNotFoundError):
+    """No object of that name (or no bucket): a FileNotFoundError, as a missing file is."""
+
+
 @dataclass(frozen=True)
 class S3Url:
     bucket: str
@@ -152,14 +156,16 @@ class ObjectStore:
                 f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; credentials never go in the YAML)",
             )
         if code in _MISSING_BUCKET_CODES or (code in ("404", "NotFound") and doing == "check the bucket"):
-            return TierError(errno.ENOENT, f"tier {self.tier}: bucket {self.url.bucket!r} does not exist ({self.url})")
+            return ObjectMissingError(
+                errno.ENOENT, f"tier {self.tier}: bucket {self.url.bucket!r} does not exist ({self.url})"
+            )
         if code in _CREDENTIAL_CODES:
             return TierError(
                 errno.EACCES,
                 f"tier {self.tier}: the S3 credentials were refused ({code}) to {doing} {self.where(name)}",
             )
         if code in ("NoSuchKey", "404", "NotFound"):
-            return TierError(errno.ENOENT, f"tier {self.tier}: {self.where(name)} does not exist")
+            return ObjectMissingError(errno.ENOENT, f"tier {self.tier}: {self.where(name)} does not exist")
         return TierError(errno.EIO, f"tier {self.tier}: cannot {doing} {self.where(name)}: {code or kind}: {exc}")
 
     def _call(self, doing: str, name: str, fn: Callable[[], T]) -> T:

@@ -29,9 +29,10 @@ from pathlib import Path
 
 from .filesystem import FilesystemTier, TierError
 from .format import MANIFEST_NAME, Manifest, manifest_bytes, parse_manifest
-from .objstore import ObjectStore, Progress
+from .objstore import ObjectMissingError, ObjectStore, Progress
 from .reader import CorruptCheckpointError
 from .safeopen import open_or_create, open_read
+from .source import ShortReadError
 from .verify import verify_directory
 
 _STEP_MANIFEST_RE = re.compile(rf"^step-(\d+)/{re.escape(MANIFEST_NAME)}$")
@@ -57,6 +58,52 @@ class Leftover:
     removed: bool
 
 
+class BucketSource:
+    """One checkpoint's prefix (``step-N/``) as a :class:`~tiers.source.ByteSource`: restore, verify,
+    inspect and export read a bucket through the code that reads a directory, every frame verified
+    there. Sizes come from one listing; each ``read_into`` is one ranged GET (callers run them in
+    parallel: the store's client is thread-safe)."""
+
+    def __init__(self, store: ObjectStore, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self._sizes: dict[str, int] | None = None
+
+    @property
+    def where(self) -> str:
+        return self.store.where(self.prefix.rstrip("/"))
+
+    def __repr__(self) -> str:
+        return f"BucketSource({self.where})"
+
+    def _listing(self) -> dict[str, int]:
+        if self._sizes is None:
+            cut = len(self.prefix)
+            objects = self.store.list(self.prefix)
+            self._sizes = {o.name[cut:]: o.size for o in objects if "/" not in o.name[cut:]}
+        return self._sizes
+
+    def names(self) -> list[str]:
+        return list(self._listing())
+
+    def size(self, name: str) -> int:
+        sizes = self._listing()
+        if name not in sizes:
+            raise ObjectMissingError(errno.ENOENT, f"{self.where}/{name}: no such object")
+        return sizes[name]
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
+        end = offset + len(buffer)
+        if end > self.size(name):
+            raise ShortReadError(
+                errno.EIO, f"{self.where}/{name}: ends at byte {self.size(name)}, short of {end}"
+            )
+        buffer[:] = self.store.get_range(self.prefix + name, offset, len(buffer))
+
+    def read_small(self, name: str) -> bytes:
+        return self.store.get_bytes(self.prefix + name)
+
+
 @dataclass
 class S3Tier:
     """A shared tier in one bucket prefix; ``store`` does the talking (see :mod:`tiers.objstore`)."""
@@ -72,6 +119,10 @@ class S3Tier:
         """Committed steps: those whose manifest object exists."""
         found = {int(m.group(1)) for o in self.store.list("step-") if (m := _STEP_MANIFEST_RE.match(o.name))}
         return sorted(found)
+
+    def source(self, step: int) -> BucketSource:
+        """``step-N`` as a byte source, for :class:`tiers.stored.StoredCheckpoint` to read."""
+        return BucketSource(self.store, self.step_prefix(step))
 
     def manifest(self, step: int) -> Manifest:
         name = self.step_prefix(step) + MANIFEST_NAME

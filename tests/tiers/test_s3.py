@@ -21,8 +21,9 @@ from conftest import REPO
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import CheckpointExistsError, FilesystemTier, TierError
 from tierstate.tiers.objstore import ObjectStore, parse_s3_url
-from tierstate.tiers.reader import CorruptCheckpointError, load
 from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.source import ByteSource
+from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint, load
 
 MiB = 1 << 20
 _SERVERS = ["moto"] + (["minio"] if os.environ.get("TIERSTATE_TEST_MINIO") else [])
@@ -197,6 +198,8 @@ from pathlib import Path
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.objstore import ObjectStore
 from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.source import ByteSource
+from tierstate.tiers.stored import StoredCheckpoint
 nvme = FilesystemTier("nvme", Path(sys.argv[1]))
 tier = S3Tier("bucket", ObjectStore("bucket", sys.argv[2], endpoint_url=sys.argv[3], part_size=5 << 20, workers=1))
 tier.upload(nvme.step_dir(5), nvme.manifest(5))
@@ -220,3 +223,25 @@ def test_kill_during_multipart_upload_leaves_no_checkpoint_and_gc_cleans(endpoin
     found = tier.collect_garbage(older_than=0)
     assert {f.kind for f in found} == {"incomplete upload", "orphan object"}  # the index went up first
     assert tier.store.uploads() == [] and tier.store.list("") == []
+
+
+def test_restore_reads_the_bucket_through_the_byte_source(endpoint, bucket, nvme_step):
+    nvme, expected = nvme_step
+    tier = _tier(endpoint, f"s3://{bucket}/direct")
+    tier.upload(nvme.step_dir(5), nvme.manifest(5))
+    source = tier.source(5)
+    assert isinstance(source, ByteSource) and source.where == f"s3://{bucket}/direct/step-5"
+    stored = StoredCheckpoint(source, step=5)
+    assert _same(stored.read(workers=4), expected)
+    name = "step-5/rank-00000.data"
+    data = bytearray(tier.store.get_bytes(name))
+    data[2 * MiB + 5] ^= 0x10
+    tier.store.put_bytes(name, bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        StoredCheckpoint(tier.source(5), step=5).read()
+    tier.store.put_bytes(name, bytes(data[: 2 * MiB]))  # truncated: refused before anything is allocated
+    with pytest.raises(StoredCheckpoint.COPY_ERRORS):
+        StoredCheckpoint(tier.source(5), step=5).read()
+    tier.store.delete([name])
+    with pytest.raises(StoredCheckpoint.COPY_ERRORS):
+        StoredCheckpoint(tier.source(5), step=5).read()
