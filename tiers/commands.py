@@ -21,19 +21,20 @@ from tierstate.errors import TierstateError
 
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, summary
 from .convert import Format
-from .export import ExportFormat, ExportReport, export, providers_of
+from .export import ExportFormat, ExportReport, export
 from .filesystem import FilesystemTier, InvalidEntry
-from .format import Manifest, ManifestError, read_manifest
+from .format import ManifestError
 from .hfdir import MAX_SHARD_SIZE, export_hf, weight_files
-from .locks import InUseError, reading
+from .locks import InUseError
 from .migrate import MigrateReport, migrate
 from .pacing import Pacer
 from .peers import peer_copies
 from .retention import Decision, TierPolicies, prune
+from .stored import StoredCheckpoint
 from .verify import VerifyResult, invalid_result, verify_step
 
-Writer = Callable[[Path, Manifest, Path, Callable[[int], None] | None], ExportReport]
-"""Writes one checkpoint (directory, manifest) to ``out`` in some format, reporting bytes as it goes."""
+Writer = Callable[[StoredCheckpoint, Path, Callable[[int], None] | None], ExportReport]
+"""Writes one checkpoint to ``out`` in some format, reporting bytes as it goes."""
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
 FAILURES = (TierstateError, OSError)
@@ -89,7 +90,7 @@ def step_dir(tiers: Sequence[FilesystemTier], step: int) -> Path:
 
 def inspect_checkpoint(directory: Path) -> dict[str, Any]:
     """The manifest of the checkpoint in ``directory``: its summary and ``item_table``, a row per item."""
-    manifest = read_manifest(directory)
+    manifest = StoredCheckpoint(directory).manifest
     return {**summary(manifest), "item_table": item_rows(manifest)}
 
 
@@ -269,9 +270,8 @@ def export_step(
     if fmt == "hf" and provider is None:
         raise UsageError("--format hf writes one model's weights: give --provider NAME (e.g. --provider model)")
     if provider is not None:
-        manifest = holders[0].manifest(step)
-        if not any(key.startswith(f"{provider}/") for key in manifest.items):
-            present = providers_of(manifest)
+        present = StoredCheckpoint(holders[0].step_dir(step), step).providers()
+        if provider not in present:
             raise UsageError(f"step {step}: no provider {provider!r} (providers: {', '.join(present) or 'none'})")
     existing = weight_files(out) if fmt == "hf" and not out.is_symlink() else [out]
     if fmt == "hf" and out.exists() and not out.is_dir():
@@ -279,21 +279,20 @@ def export_step(
     if any(path.exists() or path.is_symlink() for path in existing) and not force:
         raise UsageError(f"{existing[0]} exists; give --force to replace it")
 
-    def write(directory: Path, manifest: Manifest, advance: Callable[[int], None]) -> ExportReport:
+    def write(checkpoint: StoredCheckpoint, advance: Callable[[int], None]) -> ExportReport:
         if writer is not None:
-            return writer(directory, manifest, out, advance)
+            return writer(checkpoint, out, advance)
         if fmt == "hf":
             assert provider is not None
-            return export_hf(directory, manifest, out, provider, advance, max_shard_size)
-        return export(directory, manifest, out, cast(ExportFormat, fmt), advance, provider)
+            return export_hf(checkpoint, out, provider, advance, max_shard_size)
+        return export(checkpoint, out, cast(ExportFormat, fmt), advance, provider)
 
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's
         try:
-            with reading(tier.step_dir(step)):
-                manifest = tier.manifest(step)
-                with progress(f"export step {step}", manifest.raw_bytes) as advance:
-                    report = write(tier.step_dir(step), manifest, advance)
+            with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
+                with progress(f"export step {step}", checkpoint.stored_bytes) as advance:
+                    report = write(checkpoint, advance)
         except FAILURES as exc:
             problems.append(f"{tier.name}: {exc}")
             continue

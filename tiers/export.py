@@ -2,7 +2,7 @@
 
 Model-evolution studies read one tensor across many steps; they want files their own tools open
 (h5py, safetensors) without tierstate. An export holds every item under its key, in its logical
-form: sharded tensors reassembled whole, per-rank items as rank 0's value (as ``tiers.reader.load``
+form: sharded tensors reassembled whole, per-rank items as rank 0's value (as ``tiers.stored.load``
 gives them); every byte is verified against its checksum on the way out.
 
 - HDF5: the same layout as an HDF5 checkpoint (see :mod:`tiers.hdf5`): a dataset per tensor with
@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +36,11 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from .convert import batches, write_sliced
+from .convert import write_sliced
 from .dtypes import dtype_from_name
-from .format import Manifest, ManifestError, ObjectRecord, ShardedRecord, TensorRecord, stored_key
+from .format import ManifestError, ObjectRecord, ShardedRecord, TensorRecord
 from .hdf5 import Hdf5Container
-from .multirank import rank_view
-from .pieces import read_records
-from .reader import read_items
+from .stored import RankView, StoredCheckpoint
 
 ExportFormat = Literal["hdf5", "safetensors", "hf"]
 Progress = Callable[[int], None]
@@ -79,7 +77,7 @@ class Selection:
     ones as one whole tensor), the aliases (key -> the key holding its bytes), and the provider prefix
     that the exported names drop."""
 
-    view: Manifest
+    view: RankView
     records: dict[str, TensorRecord | ObjectRecord]
     aliases: dict[str, str]
     prefix: str = ""
@@ -89,51 +87,29 @@ class Selection:
         return key[len(self.prefix) :]
 
 
-def providers_of(manifest: Manifest) -> list[str]:
-    """The providers a checkpoint holds: the first part of its keys (``model`` of ``model/0.weight``)."""
-    return sorted({key.split("/", 1)[0] for key in manifest.items if "/" in key})
-
-
-def select(manifest: Manifest, provider: str | None = None) -> Selection:
+def select(checkpoint: StoredCheckpoint, provider: str | None = None) -> Selection:
     """The items to export: all of them, or those of ``provider`` (keys under ``provider/``).
 
     An alias whose target lies outside the provider is exported as a tensor of its own."""
-    view = rank_view(manifest, 0, list(manifest.items))
+    view = checkpoint.view(0)
     prefix = f"{provider}/" if provider else ""
     records: dict[str, TensorRecord | ObjectRecord] = {}
     aliases: dict[str, str] = {}
-    for key, item in view.items.items():
+    for key in view.resolved_keys:
         if not key.startswith(prefix):
             continue
-        target = stored_key(key, item)
+        target = view.stored_key(key)
         if target != key and target.startswith(prefix):
             aliases[key] = target
             continue
-        record = view.items[target]
+        record = view.record(target)
         if isinstance(record, ShardedRecord):
             records[key] = TensorRecord(dtype=record.dtype, shape=record.global_shape, pieces=[])
         elif isinstance(record, (TensorRecord, ObjectRecord)):
             records[key] = record
-        else:  # rank_view resolves per-rank records; anything else is a manifest this code does not know
+        else:  # a rank's view resolves per-rank records; anything else is a manifest this code does not know
             raise ManifestError(f"item {key!r}: a {type(record).__name__} cannot be exported")
     return Selection(view, records, aliases, prefix)
-
-
-def _is_sharded(view: Manifest, key: str) -> bool:
-    return isinstance(view.items[stored_key(key, view.items[key])], ShardedRecord)
-
-
-def item_bytes(
-    directory: Path, manifest: Manifest, view: Manifest, records: Mapping[str, TensorRecord | ObjectRecord]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each record's bytes (uint8), a bounded batch at a time; sharded tensors reassembled by the reader."""
-    stored = [(key, record) for key, record in records.items() if not _is_sharded(view, key)]
-    for batch in batches(stored, view):
-        yield from read_records(directory, view, batch).items()
-    for key in records:
-        if _is_sharded(view, key):
-            whole = read_items(directory, manifest, [key])[key]
-            yield key, whole.contiguous().reshape(-1).view(torch.uint8)
 
 
 @contextmanager
@@ -155,27 +131,24 @@ def written_whole(out: Path) -> Iterator[Path]:
 
 
 def export(
-    directory: Path,
-    manifest: Manifest,
+    checkpoint: StoredCheckpoint,
     out: Path,
     fmt: ExportFormat,
     progress: Progress | None = None,
     provider: str | None = None,
 ) -> ExportReport:
-    """Write the checkpoint in ``directory`` (``provider``'s items only, when given) to the file ``out``
-    (replacing it) as ``fmt``, hdf5 or safetensors (``tiers.hfdir.export_hf`` writes hf directories)."""
-    selection = select(manifest, provider)
+    """Write ``checkpoint`` (``provider``'s items only, when given) to the file ``out`` (replacing it) as
+    ``fmt``, hdf5 or safetensors (``tiers.hfdir.export_hf`` writes hf directories)."""
+    selection = select(checkpoint, provider)
     out.parent.mkdir(parents=True, exist_ok=True)
     with written_whole(out) as path:
         write = _write_hdf5 if fmt == "hdf5" else _write_safetensors
-        total = write(path, directory, manifest, selection, progress)
-    return ExportReport(manifest.step, fmt, out, len(selection.records) + len(selection.aliases), total)
+        total = write(path, checkpoint, selection, progress)
+    return ExportReport(checkpoint.step, fmt, out, len(selection.records) + len(selection.aliases), total)
 
 
-def _write_hdf5(
-    path: Path, directory: Path, manifest: Manifest, selection: Selection, progress: Progress | None
-) -> int:
-    container = Hdf5Container(path, 4096, {"step": manifest.step, "created": manifest.created}, replace=True)
+def _write_hdf5(path: Path, checkpoint: StoredCheckpoint, selection: Selection, progress: Progress | None) -> int:
+    container = Hdf5Container(path, 4096, {"step": checkpoint.step, "created": checkpoint.created}, replace=True)
     total = 0
     try:
         for key, record in selection.records.items():
@@ -183,7 +156,7 @@ def _write_hdf5(
                 container.add_tensor(selection.name(key), record.dtype, record.shape, record.shard)
             else:
                 container.add_object(selection.name(key), record.serializer, record.length)
-        for key, data in item_bytes(directory, manifest, selection.view, selection.records):
+        for key, data in selection.view.item_bytes(selection.records):
             write_sliced(container, selection.name(key), data, progress)
             total += data.numel()
         for key, target in selection.aliases.items():
@@ -196,12 +169,12 @@ def _write_hdf5(
 
 
 def _write_safetensors(
-    path: Path, directory: Path, manifest: Manifest, selection: Selection, progress: Progress | None
+    path: Path, checkpoint: StoredCheckpoint, selection: Selection, progress: Progress | None
 ) -> int:
     tensors: dict[str, torch.Tensor] = {}
     raw: dict[str, dict[str, object]] = {}
     total = 0
-    for key, data in item_bytes(directory, manifest, selection.view, selection.records):
+    for key, data in selection.view.item_bytes(selection.records):
         name = selection.name(key)
         tensors[name], note = _safetensor(selection.records[key], data)
         if note:
@@ -212,7 +185,7 @@ def _write_safetensors(
     rename = selection.name
     objects = {rename(k): r.serializer for k, r in selection.records.items() if isinstance(r, ObjectRecord)}
     aliases = {rename(k): rename(target) for k, target in selection.aliases.items()}
-    attrs = {"step": manifest.step, "created": manifest.created}
+    attrs = {"step": checkpoint.step, "created": checkpoint.created}
     metadata = {f"tierstate.{k}": json.dumps(v) for k, v in attrs.items()}
     metadata |= {"tierstate.objects": json.dumps(objects), "tierstate.raw": json.dumps(raw)}
     metadata["tierstate.aliases"] = json.dumps(aliases)

@@ -32,8 +32,9 @@ from safetensors.torch import save_file
 from tierstate.errors import TierstateError
 
 from .dtypes import dtype_from_name
-from .export import SAFETENSORS_NATIVE, ExportReport, Progress, Selection, item_bytes, select, written_whole
-from .format import Manifest, ObjectRecord, TensorRecord
+from .export import SAFETENSORS_NATIVE, ExportReport, Progress, Selection, select, written_whole
+from .format import ObjectRecord, TensorRecord
+from .stored import RankView, StoredCheckpoint
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -92,15 +93,14 @@ def _refuse_what_hf_cannot_hold(selection: Selection) -> None:
 
 
 def export_hf(
-    directory: Path,
-    manifest: Manifest,
+    checkpoint: StoredCheckpoint,
     out: Path,
     provider: str,
     progress: Progress | None = None,
     max_shard_size: int = MAX_SHARD_SIZE,
 ) -> ExportReport:
-    """Write ``provider``'s tensors of the checkpoint in ``directory`` as the weights of the model directory ``out``."""
-    selection = select(manifest, provider)
+    """Write ``provider``'s tensors of ``checkpoint`` as the weights of the model directory ``out``."""
+    selection = select(checkpoint, provider)
     records = selection.records
     _refuse_what_hf_cannot_hold(selection)
     sizes = {key: _nbytes(record) for key, record in records.items() if isinstance(record, TensorRecord)}
@@ -110,7 +110,7 @@ def export_hf(
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for keys, name in zip(shards, names, strict=True):
-        tensors = dict(_tensors(directory, manifest, selection.view, {k: records[k] for k in keys}, progress))
+        tensors = dict(_tensors(selection.view, {k: records[k] for k in keys}, progress))
         with written_whole(out / name) as path:
             save_file({selection.name(k): t for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
         weight_map |= {selection.name(k): name for k in keys}
@@ -120,7 +120,7 @@ def export_hf(
             path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     for path in stale:
         path.unlink(missing_ok=True)
-    return ExportReport(manifest.step, "hf", out, len(records), sum(sizes.values()))
+    return ExportReport(checkpoint.step, "hf", out, len(records), sum(sizes.values()))
 
 
 def _nbytes(record: TensorRecord) -> int:
@@ -129,13 +129,9 @@ def _nbytes(record: TensorRecord) -> int:
 
 
 def _tensors(
-    directory: Path,
-    manifest: Manifest,
-    view: Manifest,
-    records: dict[str, TensorRecord | ObjectRecord],
-    progress: Progress | None,
+    view: RankView, records: dict[str, TensorRecord | ObjectRecord], progress: Progress | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, data in item_bytes(directory, manifest, view, records):
+    for key, data in view.item_bytes(records):
         record = records[key]
         assert isinstance(record, TensorRecord)  # _refuse_what_hf_cannot_hold let tensors only through
         if progress is not None:

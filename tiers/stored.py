@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .boxes import Box
+from .convert import batches
 from .format import (
     AnyRecord,
     Manifest,
@@ -97,6 +98,11 @@ class StoredCheckpoint:
         return self.manifest.step
 
     @property
+    def created(self) -> str:
+        """When it was committed (ISO 8601, UTC), as its manifest says."""
+        return self.manifest.created
+
+    @property
     def world_size(self) -> int:
         return self.manifest.world_size
 
@@ -156,6 +162,11 @@ class RankView:
     def node_part(self) -> NodePart | None:
         """Which node's part this copy is, when it is one (it lacks other nodes' files)."""
         return self._view.node_part
+
+    @property
+    def resolved_keys(self) -> list[str]:
+        """The keys of this view and the alias targets they pulled in, in the order they were resolved."""
+        return list(self._view.items)
 
     def record(self, key: str) -> AnyRecord:
         return self._view.items[key]
@@ -221,16 +232,17 @@ class RankView:
             raise ValueError(f"{self.checkpoint.where}: item {key!r} is not sharded")
         return record.boxes()
 
-    def raw_bytes(
-        self, records: Mapping[str, TensorRecord | ObjectRecord], workers: int = 4
-    ) -> dict[str, torch.Tensor]:
-        """The stored bytes of plain records (uint8, each its own buffer), verified: for exporters."""
+    def item_bytes(self, records: Mapping[str, TensorRecord | ObjectRecord]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each record's stored bytes (uint8, verified), a bounded batch at a time, for exporters that
+        write items one by one; sharded tensors (given as one whole record) reassembled whole."""
         self.checkpoint.check_sizes()
-        return read_records(self.checkpoint.source, self._view, records, workers)
-
-    def manifest_of_view(self) -> Manifest:
-        """The view as a manifest (for batching by frame), read-only."""
-        return self._view
+        stored = [(key, record) for key, record in records.items() if not self.is_sharded(key)]
+        for batch in batches(stored, self._view):
+            yield from read_records(self.checkpoint.source, self._view, batch).items()
+        for key in records:
+            if self.is_sharded(key):
+                whole = self.read([key])[key]
+                yield key, whole.contiguous().reshape(-1).view(torch.uint8)
 
 
 def load(path: str | os.PathLike[str], allow_pickle: bool = False) -> dict[str, Any]:

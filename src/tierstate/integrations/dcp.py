@@ -42,11 +42,8 @@ from tierstate.errors import TierstateError
 
 from ..providers import Serializer
 from ..tiers.export import ExportReport
-from ..tiers.format import Manifest, ShardedRecord, stored_key
-from ..tiers.multirank import rank_view
 from ..tiers.objcodec import ObjectCodecError
-from ..tiers.reader import read_items
-from ..tiers.reshard import Region, read_regions
+from ..tiers.stored import StoredCheckpoint
 from .dcp_metadata import ForbiddenGlobalError, restricted_reader
 from .layout import LAYOUTS, Layout, ValueProvider, describe, group_by_name, layout_of, rebuild, serializer_for
 
@@ -88,22 +85,20 @@ class _Shards:
     parts: dict[tuple[int, ...], torch.Tensor]
 
 
-def _logical_state(directory: Path, manifest: Manifest, progress: Progress | None) -> tuple[dict[str, Any], int]:
+def _logical_state(checkpoint: StoredCheckpoint, progress: Progress | None) -> tuple[dict[str, Any], int]:
     """Every item as rank 0 reads it, sharded tensors as :class:`_Shards`; and the bytes read."""
-    view = rank_view(manifest, 0, list(manifest.items))
-    sharded = {key for key, record in view.items.items() if isinstance(record, ShardedRecord)}
-    plain = [key for key in manifest.items if stored_key(key, view.items[key]) not in sharded]
-    values: dict[str, Any] = read_items(directory, manifest, plain)
+    view = checkpoint.view(0)
+    sharded = {key for key in view.keys if view.stored_key(key) == key and view.is_sharded(key)}
+    plain = [key for key in view.keys if view.stored_key(key) not in sharded]
+    values: dict[str, Any] = view.read(plain)
     total = sum(v.nbytes for v in values.values() if isinstance(v, torch.Tensor))
     for key in sorted(sharded):
-        record = view.items[key]
-        assert isinstance(record, ShardedRecord)
-        boxes = record.boxes()
-        parts = read_regions(directory, view, [Region(key, record, box) for box in boxes]).tensors
-        values[key] = _Shards(tuple(record.global_shape), dict(zip((b.offsets for b in boxes), parts, strict=True)))
+        boxes = view.shard_boxes(key)
+        parts = view.read_regions([view.region(key, box) for box in boxes]).tensors
+        values[key] = _Shards(view.global_shape(key), dict(zip((b.offsets for b in boxes), parts, strict=True)))
         total += sum(part.nbytes for part in parts)
-    for key in manifest.items:  # aliases of sharded tensors: the same placeholder
-        target = stored_key(key, view.items[key])
+    for key in view.keys:  # aliases of sharded tensors: the same placeholder
+        target = view.stored_key(key)
         if target != key and target in sharded:
             values[key] = values[target]
     if progress is not None:
@@ -168,12 +163,12 @@ def _directory_written_whole(out: Path) -> Iterator[Path]:
         raise
 
 
-def export_dcp(directory: Path, manifest: Manifest, out: Path, progress: Progress | None = None) -> ExportReport:
-    """Write the checkpoint in ``directory`` as the DCP checkpoint directory ``out`` (replacing it)."""
+def export_dcp(checkpoint: StoredCheckpoint, out: Path, progress: Progress | None = None) -> ExportReport:
+    """Write ``checkpoint`` as the DCP checkpoint directory ``out`` (replacing it)."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    values, total = _logical_state(directory, manifest, progress)
+    values, total = _logical_state(checkpoint, progress)
     state: dict[str, Any] = {}
     layouts: dict[str, Layout] = {}
     for name, items in group_by_name(values).items():
@@ -184,8 +179,8 @@ def export_dcp(directory: Path, manifest: Manifest, out: Path, progress: Progres
             warnings.simplefilter("ignore", UserWarning)
             with _unwrapped(f"{out}: DCP save"):
                 save(state, storage_writer=FileSystemWriter(path), planner=_shard_planner(), no_dist=True)
-        (path / LAYOUT_FILE).write_text(json.dumps({"step": manifest.step, "layout": layouts}, indent=1) + "\n")
-    return ExportReport(manifest.step, "dcp", out, len(manifest.items), total)
+        (path / LAYOUT_FILE).write_text(json.dumps({"step": checkpoint.step, "layout": layouts}, indent=1) + "\n")
+    return ExportReport(checkpoint.step, "dcp", out, len(checkpoint.keys), total)
 
 
 # --- import -------------------------------------------------------------------------------------
