@@ -19,7 +19,13 @@ def semantic_problems(config: ConfigSchema) -> list[tuple[str, str]]:
     graph = list(chain_problems(config.pipeline.stages))
     problems = list(graph)
     for name, stage in config.pipeline.stages.items():
-        if isinstance(stage, PersistStage) and stage.tier not in config.tiers:
+        if isinstance(stage, PersistStage) and stage.tier in config.buckets:
+            problems.append((
+                f"pipeline.stages.{name}.tier",
+                f"tier {stage.tier!r} is a bucket (kind: s3), which takes flushes, not the persist stage's "
+                "writes: persist to a directory tier and give the bucket a flush policy",
+            ))
+        elif isinstance(stage, PersistStage) and stage.tier not in config.tiers:
             problems.append((
                 f"pipeline.stages.{name}.tier",
                 f"tier {stage.tier!r} is not defined under tiers (defined: {', '.join(config.tiers)})",

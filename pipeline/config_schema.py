@@ -147,6 +147,23 @@ class TierConfig(_Strict):
         return os.path.abspath(os.path.expanduser(expand_node(os.fspath(value))))
 
 
+class S3TierConfig(_Strict):
+    """A tier in an S3-compatible bucket (AWS S3, MinIO, Ceph RGW, GCS's S3 API): ``kind: s3``.
+
+    ``url`` is ``s3://bucket/prefix``; ``endpoint_url`` a server other than AWS's (MinIO, a local
+    one); credentials come from the standard AWS chain (environment, profile, instance role), never
+    from the YAML. It receives flushes (``flush``, as a directory tier does) and keeps what
+    ``retention`` says; it is read when no local tier holds a checkpoint (tiers/s3tier.py).
+    """
+
+    kind: Literal["s3"]
+    url: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")]
+    endpoint_url: str | None = None
+    region: str | None = None
+    retention: RetentionPolicy = RetentionPolicy()
+    flush: FlushPolicy | None = None
+
+
 class StageBase(_Strict):
     """Fields every stage has: its worker thread count, the bound of its input queue, its successor."""
 
@@ -269,6 +286,9 @@ class ConfigSchema(_Strict):
     align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
     host_cache: HostCacheConfig = HostCacheConfig()
     tiers: Tiers
+    #: The ``kind: s3`` entries of ``tiers``, moved here when the YAML is read (``_buckets_apart``): every
+    #: reader of ``tiers`` works on directories, a bucket is flushed to and read by pipeline/buckets.py.
+    buckets: dict[TierName, S3TierConfig] = {}
     pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
 
@@ -299,6 +319,20 @@ class ConfigSchema(_Strict):
             for name, stage in stages.items()
         }
         return {**data, "pipeline": {**pipeline, "stages": filled}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _buckets_apart(cls, data: Any) -> Any:
+        # Defined after _defaults_from_tiers so that it runs first (pydantic runs 'before' validators
+        # last-defined first): the persist tier defaults to the first tier that is a directory.
+        if not isinstance(data, Mapping) or not isinstance(data.get("tiers"), Mapping):
+            return data
+        tiers = data["tiers"]
+        buckets = {n: t for n, t in tiers.items() if isinstance(t, Mapping) and t.get("kind") == "s3"}
+        if not buckets:
+            return data
+        rest = {n: t for n, t in tiers.items() if n not in buckets}
+        return {**data, "tiers": rest, "buckets": {**data.get("buckets", {}), **buckets}}
 
     @model_validator(mode="before")
     @classmethod

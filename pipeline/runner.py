@@ -38,6 +38,7 @@ from ..providers.items import TensorItem
 from ..tiers.filesystem import CheckpointExistsError, FilesystemTier
 from ..tiers.format import MAX_BYTES
 from ..tiers.hostcache import HostCache
+from .buckets import BucketFlusher
 from .capture import SlabCopier, record_ready_event
 from .config import PipelineConfig, load_config, parse_config
 from .dist_restore import restore_across_ranks
@@ -149,6 +150,9 @@ class Runner:
         # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
         self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
+        # kind: s3 tiers (pipeline/buckets.py), checked here: bad credentials or a missing bucket fail now.
+        shared = config.tiers[config.persist_tier].scope == "shared"  # many ranks: its leader uploads whole steps
+        self._buckets = BucketFlusher(config, active=self._group is None or (shared and self.rank == 0))
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group)
@@ -407,6 +411,7 @@ class Runner:
             )
         )
         self._flusher.committed(completer)
+        self._buckets.committed(job.step, self.durable_tier)
         if self._peers is not None:
             self._peers.committed(completer)
 
@@ -469,6 +474,8 @@ class Runner:
         returned = None
         if self._peers is not None:  # collective: every rank of a job with peer copies takes part
             returned = self._peers.recall([t for t in self.tiers if t.scope == "node"])
+        if self._group is None:  # no local copy of the step (a wiped or new machine): a bucket's, copied down
+            self._buckets.fetch(which, self.durable_tier, {s for t in self.tiers for s in t.steps()})
         tiers = nearest_first(self.tiers, returned)
         if self._group is not None:
             return restore_across_ranks(self._group, self.providers, tiers, which, allow_pickle, fallback)
@@ -485,6 +492,7 @@ class Runner:
         self._closed = True
         self.wait()
         self.flush_failures = self._flusher.drain()  # every flush done or reported
+        self.flush_failures += self._buckets.drain()
         if self._peers is not None:
             self.flush_failures += self._peers.drain()  # after the flushes: a peer copy waits for its tier's
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -493,6 +501,7 @@ class Runner:
         self._compute.shutdown()
         self._io.shutdown()
         self._flusher.close()
+        self._buckets.close()
         self.durable_tier.release()  # another job may write the tier now
         if self._peers is not None:
             self._peers.close()

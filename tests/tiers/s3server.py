@@ -4,6 +4,7 @@ throttles chosen requests (moto cannot inject faults; a proxy on 127.0.0.1 is th
 from __future__ import annotations
 
 import http.client
+import itertools
 import os
 import shutil
 import socket
@@ -14,6 +15,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "tierstate-test",
@@ -140,3 +143,32 @@ class FaultyProxy:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+_SERVERS = ["moto"] + (["minio"] if os.environ.get("TIERSTATE_TEST_MINIO") else [])
+_buckets = itertools.count()
+
+
+@pytest.fixture(scope="session", params=_SERVERS)
+def endpoint(request) -> Iterator[str]:
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = moto_server() if request.param == "moto" else minio_server(os.environ["TIERSTATE_TEST_MINIO"])
+    with server as url:
+        yield url
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def bucket(endpoint) -> str:
+    import boto3
+
+    name = f"tierstate-test-{os.getpid()}-{next(_buckets)}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name
+
+

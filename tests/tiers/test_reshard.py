@@ -22,8 +22,8 @@ from tierstate.tiers.format import (
     now_iso,
 )
 from tierstate.tiers.multirank import RankPart, merge_parts, rank_view
-from tierstate.tiers.stored import CorruptCheckpointError, load
 from tierstate.tiers.reshard import Region, read_regions
+from tierstate.tiers.stored import CorruptCheckpointError, load
 
 MiB = 1 << 20
 

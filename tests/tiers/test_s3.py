@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,7 +13,8 @@ import torch
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
-from s3server import CREDENTIALS, FaultyProxy, minio_server, moto_server
+import s3server
+from s3server import FaultyProxy
 
 from conftest import REPO
 from tierstate.providers import TensorDictProvider
@@ -25,34 +24,10 @@ from tierstate.tiers.s3tier import S3Tier
 from tierstate.tiers.source import ByteSource
 from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint, load
 
+# The server and a fresh bucket per test (tests/tiers/s3server.py).
+endpoint = s3server.endpoint
+bucket = s3server.bucket
 MiB = 1 << 20
-_SERVERS = ["moto"] + (["minio"] if os.environ.get("TIERSTATE_TEST_MINIO") else [])
-_buckets = itertools.count()
-
-
-@pytest.fixture(scope="session", params=_SERVERS)
-def endpoint(request) -> Iterator[str]:
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server = moto_server() if request.param == "moto" else minio_server(os.environ["TIERSTATE_TEST_MINIO"])
-    with server as url:
-        yield url
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-@pytest.fixture
-def bucket(endpoint) -> str:
-    import boto3
-
-    name = f"tierstate-test-{os.getpid()}-{next(_buckets)}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
-    return name
-
-
 def _tier(endpoint: str, url: str, **options) -> S3Tier:
     store = ObjectStore("bucket", url, endpoint_url=endpoint, region="us-east-1", **options)
     store.check()
@@ -198,8 +173,6 @@ from pathlib import Path
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.objstore import ObjectStore
 from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.source import ByteSource
-from tierstate.tiers.stored import StoredCheckpoint
 nvme = FilesystemTier("nvme", Path(sys.argv[1]))
 tier = S3Tier("bucket", ObjectStore("bucket", sys.argv[2], endpoint_url=sys.argv[3], part_size=5 << 20, workers=1))
 tier.upload(nvme.step_dir(5), nvme.manifest(5))

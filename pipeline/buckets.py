@@ -1,0 +1,118 @@
+"""The runner's ``kind: s3`` tiers: flushed to after each commit, read when no local tier holds a step.
+
+Each bucket is built and checked when the runner is built (:meth:`ObjectStore.check`), so missing or
+refused credentials and a missing bucket fail there, naming the tier, and not at the first flush.
+After a checkpoint commits on the persist tier, every bucket whose ``flush`` policy selects the step
+gets it by :meth:`tiers.s3tier.S3Tier.upload` (verified in the source, data first, the manifest last
+with a conditional put), in a thread pool of its own (``flush.workers`` uploads at once, paced to
+``flush.bandwidth``), then the bucket's ``retention`` is applied to it. Like any flush, a failure
+never reaches the training loop: it is logged and reported by :meth:`BucketFlusher.drain`
+(``runner.close()`` puts it in ``flush_failures``). The source copy is read under its read lock,
+so local retention cannot delete it mid-upload.
+
+Restore: when a run starts on local tiers that lack the step asked for (a new machine, wiped NVMe),
+:meth:`BucketFlusher.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
+verified before the local commit); the restore then reads it there as any local copy. Only a job
+of one process (or the leader of a shared persist tier) flushes; a node-scoped part is not uploaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from ..tiers.filesystem import FilesystemTier
+from ..tiers.locks import reading
+from ..tiers.objstore import ObjectStore
+from ..tiers.pacing import Pacer
+from ..tiers.policy import FlushPolicy, RetentionPolicy
+from ..tiers.s3tier import S3Tier
+from .config import PipelineConfig
+from .flush import FlushFailure
+
+log = logging.getLogger("tierstate.buckets")
+
+
+@dataclass
+class _Bucket:
+    tier: S3Tier
+    flush: FlushPolicy | None
+    retention: RetentionPolicy
+    pacer: Pacer | None
+    pool: ThreadPoolExecutor | None
+
+
+class BucketFlusher:
+    """The buckets of one runner; ``active``: this process is the one that uploads (see the module)."""
+
+    def __init__(self, config: PipelineConfig, active: bool) -> None:
+        self._active = active
+        self._buckets: list[_Bucket] = []
+        self._pending: list[Future[None]] = []
+        self._failures: list[FlushFailure] = []
+        for name, spec in config.buckets.items():
+            flush = spec.flush
+            store = ObjectStore(
+                name, spec.url, endpoint_url=spec.endpoint_url, region=spec.region,
+                retries=flush.retries if flush is not None else 5,
+            )
+            store.check()
+            pool = ThreadPoolExecutor(flush.workers, thread_name_prefix=f"tierstate-s3-{name}") if flush else None
+            pacer = Pacer(int(flush.bandwidth)) if flush is not None and flush.bandwidth is not None else None
+            self._buckets.append(_Bucket(S3Tier(name, store), flush, spec.retention, pacer, pool))
+
+    @property
+    def tiers(self) -> list[S3Tier]:
+        return [b.tier for b in self._buckets]
+
+    def committed(self, step: int, source: FilesystemTier) -> None:
+        """Upload ``step`` of ``source`` to every bucket due to receive it, in the background."""
+        if not self._active:
+            return
+        for bucket in self._buckets:
+            if bucket.flush is not None and bucket.pool is not None and bucket.flush.due(step):
+                self._pending.append(bucket.pool.submit(self._flush, bucket, step, source))
+
+    def _flush(self, bucket: _Bucket, step: int, source: FilesystemTier) -> None:
+        pacer = bucket.pacer
+        try:
+            directory = source.step_dir(step)
+            with reading(directory):
+                bucket.tier.upload(directory, source.manifest(step), pacer.wait if pacer is not None else None)
+            steps = bucket.tier.steps()
+            for old in steps:
+                if bucket.retention.keeps(old, steps) is None:
+                    bucket.tier.delete_step(old)
+            log.info("checkpoint step %d flushed to %s", step, bucket.tier.store.where())
+        except Exception as exc:  # noqa: BLE001 - a flush never reaches the training loop; reported by drain
+            failure = FlushFailure(step, bucket.tier.name, exc)
+            log.error("%s", failure)
+            self._failures.append(failure)
+
+    def fetch(self, which: int | str, target: FilesystemTier, local: set[int]) -> int | None:
+        """Copy step ``which`` (or, for ``"latest"``, the newest step in a bucket newer than every step
+        in ``local``) down to ``target`` when no local tier holds it; the step fetched, or None."""
+        for bucket in self._buckets:
+            steps = bucket.tier.steps()
+            if which == "latest":
+                wanted = steps[-1] if steps and steps[-1] > max(local, default=-1) else None
+            else:
+                wanted = int(which) if int(which) in steps and int(which) not in local else None
+            if wanted is not None:
+                bucket.tier.download(wanted, target)
+                log.info("checkpoint step %d fetched from %s to %s", wanted, bucket.tier.store.where(), target.name)
+                return wanted
+        return None
+
+    def drain(self) -> list[FlushFailure]:
+        """Wait for every upload; the failures since the last drain."""
+        wait(self._pending)
+        self._pending.clear()
+        failures, self._failures = self._failures, []
+        return failures
+
+    def close(self) -> None:
+        for bucket in self._buckets:
+            if bucket.pool is not None:
+                bucket.pool.shutdown(wait=True)
