@@ -35,7 +35,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,22 +45,7 @@ from ..providers.items import TensorItem
 from ..tiers.boxes import Box
 from ..tiers.dtypes import dtype_from_name
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import (
-    Manifest,
-    MissingItemError,
-    ObjectRecord,
-    PerRankRecord,
-    ShardedRecord,
-    TensorRecord,
-    stored_key,
-)
-from ..tiers.locks import reading
-from ..tiers.multirank import rank_view
-from ..tiers.names import data_file_rank
-from ..tiers.pieces import CorruptCheckpointError
-from ..tiers.reader import read_items
-from ..tiers.reshard import Region, global_shape, read_regions, source_files
-from ..tiers.stored import StoredCheckpoint
+from ..tiers.stored import CorruptCheckpointError, MissingItemError, RankView, Region, StoredCheckpoint
 from .assign import balance
 from .distributed import CheckpointGroup
 from .restore import (
@@ -220,9 +204,8 @@ def _agree(group: CheckpointGroup, where: str, problem: BaseException | None) ->
         raise RestoreError(f"{where}: {'; '.join(failures)}") from problem
 
 
-def _target_box(key: str, record: Any, live: TensorItem | None) -> Box:
-    """The box of the global tensor the live item holds: its shard, or the whole tensor."""
-    shape = global_shape(record)
+def _target_box(key: str, shape: tuple[int, ...], live: TensorItem | None) -> Box:
+    """The box of the global tensor (of ``shape``) the live item holds: its shard, or the whole tensor."""
     if live is None or live.shard is None:
         return Box.whole(shape)
     if tuple(live.shard.global_shape) != shape:
@@ -233,12 +216,12 @@ def _target_box(key: str, record: Any, live: TensorItem | None) -> Box:
     return Box(tuple(live.shard.offsets), tuple(live.tensor.shape))
 
 
-def _live_layouts(provider: CompositeProvider, view: Manifest, keys: list[str]) -> dict[str, TensorItem]:
+def _live_layouts(provider: CompositeProvider, view: RankView, keys: list[str]) -> dict[str, TensorItem]:
     """How this rank holds the saved tensors: as the live state describes them, else as the providers
     expect to (state that does not exist yet, such as a fresh optimizer's); a tensor absent is held whole."""
     live = {item.key: item for item in provider.describe() if isinstance(item, TensorItem)}
-    stored = {stored_key(k, view.items[k]) for k in keys} - set(live)
-    unknown = {k: global_shape(r) for k in stored if isinstance(r := view.items[k], (TensorRecord, ShardedRecord))}
+    stored = set(view.stored_keys(keys)) - set(live)
+    unknown = {k: view.global_shape(k) for k in stored if view.tensor_record(k) is not None}
     return live | provider.restore_targets(unknown)
 
 
@@ -285,17 +268,18 @@ class _CollectiveRead:
         directory = tier.step_dir(step)
         where = f"restore step {step} from {directory}"
         keys: list[str] = []
-        view, regions, shared, problem = None, {}, {}, None
+        view: RankView | None = None
+        regions: dict[str, Region] = {}
+        shared: dict[RegionId, Offer] = {}
+        problem: Exception | None = None
         with contextlib.ExitStack() as lock:
             try:
-                lock.enter_context(reading(directory))  # retention cannot delete it while it is being read
-                manifest = tier.manifest(step)
-                self.kept = self._absent_rank_local(manifest)
-                checkpoint = StoredCheckpoint(directory, step, manifest)
+                # Locked: retention cannot delete it while it is being read.
+                checkpoint = lock.enter_context(StoredCheckpoint.locked(directory, step))
+                self.kept = self._absent_rank_local(checkpoint)
                 require_providers(checkpoint, self.provider, where, leave_out=self.kept)
-                wanted = set(self.provider.children) - set(self.kept)
-                keys = [k for k in manifest.items if k.split("/", 1)[0] in wanted]
-                view, regions, shared = self._plan(manifest, keys)
+                keys = checkpoint.keys_of(set(self.provider.children) - set(self.kept))
+                view, regions, shared = self._plan(checkpoint, keys)
             except Exception as exc:  # reported by every rank alike, below
                 problem = exc
             # A node's part lacks other nodes' files: then regions and objects travel over the whole group.
@@ -308,7 +292,7 @@ class _CollectiveRead:
             values: dict[str, Any] = {}
             if view is not None:
                 try:
-                    values = self._read(directory, view, keys, regions, mine)
+                    values = self._read(view, keys, regions, mine)
                 except Exception as exc:
                     problem = exc
             if problem is not None:
@@ -323,13 +307,13 @@ class _CollectiveRead:
             self._exchange(where, regions, values, owner, sizes, ranks)
             if across:
                 self._exchange_objects(where, view, keys, values)
-        return {key: values[stored_key(key, view.items[key])] for key in keys}, [], served
+        return {key: values[view.stored_key(key)] for key in keys}, [], served
 
-    def _absent_rank_local(self, manifest: Manifest) -> tuple[str, ...]:
+    def _absent_rank_local(self, checkpoint: StoredCheckpoint) -> tuple[str, ...]:
         """The rank-local providers (providers/base.py, ``RankLocal``) this rank keeps as they are: the
         checkpoint was saved by fewer ranks, none of them this one. One whose ``missing_rank`` is
         ``"error"`` fails this copy instead (alike on every rank of that kind, reported by all)."""
-        rank, saved = self.group.rank, manifest.world_size
+        rank, saved = self.group.rank, checkpoint.world_size
         if rank < saved:
             return ()
         local = {n: c for n, c in self.provider.children.items() if isinstance(c, RankLocal)}
@@ -337,33 +321,32 @@ class _CollectiveRead:
         if refused:
             raise MissingItemError(
                 f"rank {rank}: {', '.join(map(repr, refused))} hold(s) each rank's own state, and step "
-                f"{manifest.step} was saved by {saved} rank(s), none of them rank {rank}; another rank's would "
+                f"{checkpoint.step} was saved by {saved} rank(s), none of them rank {rank}; another rank's would "
                 "be a duplicate (missing_rank='keep' keeps this rank's own instead)"
             )
         return tuple(sorted(local))
 
-    def _plan(self, manifest: Manifest, keys: list[str]) -> tuple[Manifest, dict[str, Region], dict[RegionId, Offer]]:
+    def _plan(
+        self, checkpoint: StoredCheckpoint, keys: list[str]
+    ) -> tuple[RankView, dict[str, Region], dict[RegionId, Offer]]:
         """This rank's view, its tensor regions by stored key, and the shareable ones (see :data:`Offer`)."""
-        view = rank_view(manifest, self.group.rank, keys)
+        view = checkpoint.view(self.group.rank, keys)
         live = _live_layouts(self.provider, view, keys)
         regions: dict[str, Region] = {}
-        for key in sorted({stored_key(k, view.items[k]) for k in keys}):
-            record = view.items[key]
-            if isinstance(record, (TensorRecord, ShardedRecord)):  # a rank's view resolves aliases and ranks
-                regions[key] = Region(key, record, _target_box(key, record, live.get(key)))
+        for key in sorted(view.stored_keys(keys)):
+            if view.tensor_record(key) is not None:  # a rank's view resolves aliases and ranks
+                regions[key] = view.region(key, _target_box(key, view.global_shape(key), live.get(key)))
         shared = {
-            _ident(region): (region.box.numel * dtype_from_name(region.record.dtype).itemsize, _writer(region))
+            _ident(region): (region.box.numel * dtype_from_name(region.record.dtype).itemsize, view.writer(region))
             for key, region in regions.items()
-            if not isinstance(manifest.items[key], PerRankRecord)
+            if not view.is_per_rank(key)
         }
         return view, regions, shared
 
-    def _read(
-        self, directory: Path, view: Manifest, keys: list[str], regions: dict[str, Region], mine: list[str]
-    ) -> dict[str, Any]:
-        objects = sorted(key for key in {stored_key(k, view.items[k]) for k in keys} - set(regions) if _here(view, key))
-        values = read_items(directory, view, objects, allow_pickle=self.allow_pickle) if objects else {}
-        tensors = read_regions(directory, view, [regions[key] for key in mine])
+    def _read(self, view: RankView, keys: list[str], regions: dict[str, Region], mine: list[str]) -> dict[str, Any]:
+        objects = sorted(key for key in set(view.stored_keys(keys)) - set(regions) if view.holds_bytes_of(key))
+        values = view.read(objects, allow_pickle=self.allow_pickle) if objects else {}
+        tensors = view.read_regions([regions[key] for key in mine])
         self.bytes_read = tensors.bytes_read
         return values | dict(zip(mine, tensors.tensors, strict=True))
 
@@ -398,32 +381,15 @@ class _CollectiveRead:
                     values[wanted[ident]] = raw.view(dtype_from_name(region.record.dtype)).reshape(region.box.shape)
 
 
-    def _exchange_objects(self, where: str, view: Manifest, keys: list[str], values: dict[str, Any]) -> None:
+    def _exchange_objects(self, where: str, view: RankView, keys: list[str], values: dict[str, Any]) -> None:
         """A node's part: each rank sends the objects it wrote, so every rank has those from other nodes."""
-        objects = {stored_key(k, view.items[k]) for k in keys} - set(values)
-        sent = {
-            key: value
-            for key, value in values.items()
-            if isinstance(view.items[key], ObjectRecord) and _writer_of(view, key) == self.group.rank
-        }
+        objects = set(view.stored_keys(keys)) - set(values)
+        sent = {key: value for key, value in values.items() if view.writer_of(key) == self.group.rank}
         for got in self.group.all_gather(sent, f"{where}: receiving the objects of other nodes"):
             values |= {key: value for key, value in got.items() if key in objects}
         missing = sorted(objects - set(values))
         if missing:
             raise CorruptCheckpointError(f"{where}: no rank holds the file of object(s) {', '.join(missing)}")
-
-
-def _here(view: Manifest, key: str) -> bool:
-    """Whether the bytes of stored item ``key`` are in the files of this copy (a node's part lacks some)."""
-    record = view.items[key]
-    return not isinstance(record, ObjectRecord) or all(piece.file in view.files for piece in record.pieces)
-
-
-def _writer_of(view: Manifest, key: str) -> int | None:
-    """The rank whose data file holds object ``key``."""
-    record = view.items[key]
-    files = {piece.file for piece in record.pieces} if isinstance(record, ObjectRecord) else set()
-    return data_file_rank(next(iter(files))) if len(files) == 1 else None
 
 
 def _layout(share: list[RegionId], sizes: dict[RegionId, int]) -> tuple[list[tuple[RegionId, int]], int]:
@@ -433,12 +399,6 @@ def _layout(share: list[RegionId], sizes: dict[RegionId, int]) -> tuple[list[tup
         slots.append((ident, offset))
         offset += -(-sizes[ident] // SLOT_ALIGN) * SLOT_ALIGN
     return slots, offset
-
-
-def _writer(region: Region) -> int | None:
-    """The rank that wrote all of the region's bytes (they are in its data file), or None."""
-    files = source_files(region)
-    return data_file_rank(next(iter(files))) if len(files) == 1 else None
 
 
 def _owners(offers: dict[int, dict[RegionId, Offer]]) -> tuple[dict[RegionId, int], dict[RegionId, int]]:

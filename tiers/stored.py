@@ -48,10 +48,18 @@ from .multirank import rank_view
 from .names import data_file_rank
 from .pieces import CorruptCheckpointError, check_file_sizes, read_records
 from .reader import COPY_ERRORS, read_view
-from .reshard import Region, RegionsRead, global_shape, read_regions
+from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
 from .source import ByteSource, DirectorySource, as_source
 
-__all__ = ["COPY_ERRORS", "CorruptCheckpointError", "RankView", "Region", "StoredCheckpoint", "load"]
+__all__ = [
+    "COPY_ERRORS",
+    "CorruptCheckpointError",
+    "MissingItemError",
+    "RankView",
+    "Region",
+    "StoredCheckpoint",
+    "load",
+]
 
 
 class StoredCheckpoint:
@@ -205,6 +213,11 @@ class RankView:
         """The rank whose data file holds object ``key`` (None if not an object of one rank's file)."""
         record = self._view.items[key]
         files = {piece.file for piece in record.pieces} if isinstance(record, ObjectRecord) else set()
+        return data_file_rank(next(iter(files))) if len(files) == 1 else None
+
+    def writer(self, region: Region) -> int | None:
+        """The rank that wrote all of the region's bytes (they are in its data file), or None."""
+        files = source_files(region)
         return data_file_rank(next(iter(files))) if len(files) == 1 else None
 
     def read(self, keys: Iterable[str] | None = None, allow_pickle: bool = False, workers: int = 4) -> dict[str, Any]:
