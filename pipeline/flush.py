@@ -260,7 +260,25 @@ class Flusher:
                       type(exc).__name__, exc)  # fmt: skip
             return
         if left:
+            self._collect_dead_partials()
             self._spawn(self._resume({(p.step, name) for p in left for name in p.targets}))
+
+    def _collect_dead_partials(self) -> None:
+        """A dead writer's partials would take room on a bounded tier: removed here, on the trainer's thread,
+        before the runner's first checkpoint (in the background, its removal of a dead ``step-N.partial``
+        held that partial while this runner began step N again, and that checkpoint failed as in use)."""
+        try:
+            claim = claim_tier(self._source.root, self._source.owner)
+        except InUseError as exc:  # another process writes the source tier: its partials are its own
+            log.info("partials on tier %s left to its writer: %s", self._source.name, exc)
+            return
+        try:
+            collect_garbage([self._source], 0.0)  # this process's own partials are locked, so kept
+        except Exception as exc:  # reported, never raised into training
+            log.error("could not remove the partials a crash left on %s: %s: %s", self._source.name,
+                      type(exc).__name__, exc)  # fmt: skip
+        finally:
+            claim.release()
 
     def _pending(self) -> list[PendingFlush]:
         """The steps on the source tier that one of this flusher's targets is due to receive and lacks."""
@@ -271,7 +289,7 @@ class Flusher:
     async def _resume(self, left: set[tuple[int, str]]) -> None:
         """Hold the source tier's writer lock, then flush what is still pending of ``left``, oldest first."""
         try:
-            claim = await run_blocking(self._pool, claim_tier, self._source.root)
+            claim = await run_blocking(self._pool, claim_tier, self._source.root, self._source.owner)
         except InUseError as exc:  # another process writes the source tier: its runner flushes them
             log.info("flushes pending on tier %s left to its writer: %s", self._source.name, exc)
             return
@@ -282,8 +300,6 @@ class Flusher:
         try:
             # Another process may have flushed some meanwhile (before this one held the lock): looked at again.
             pending = await run_blocking(self._pool, self._pending)
-            # A dead writer's partials would take room on a bounded tier; this process's own are locked, so kept.
-            await run_blocking(self._pool, collect_garbage, [self._source], 0.0)
             targets = {t.tier.name: t for t in self._targets}
             flushes = []
             for item in pending:  # oldest first; each target's gate lets them through in this order

@@ -113,7 +113,9 @@ class Runner:
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
-        self.tiers = [FilesystemTier(name, tier.path, tier.scope) for name, tier in config.tiers.items()]
+        # One writer per tier, in a process as across processes: this runner's tiers claim for its own token.
+        owner = object()
+        self.tiers = [FilesystemTier(name, t.path, t.scope, owner=owner) for name, t in config.tiers.items()]
         pinned = config.host_cache.pinned
         if pinned == "auto":
             pinned = torch.cuda.is_available()

@@ -132,6 +132,9 @@ class FilesystemTier:
     #: The directory lies inside another tier (a peer copy's ``peer-<node>``): it is tierstate's own, so a
     #: symlink or anything else in its place was planted, and is never listed, read or written through.
     nested: bool = False
+    #: Who writes through this object: a runner's token (its tiers, flushes and retention share one writer
+    #: lock), None for this process's tools. Two owners in one process are two writers (tiers/locks.py).
+    owner: object | None = field(default=None, compare=False, repr=False)
     _locks: _WriterLocks = field(default_factory=_WriterLocks, init=False, repr=False, compare=False)
 
     def step_dir(self, step: int) -> Path:
@@ -190,7 +193,7 @@ class FilesystemTier:
         held = self._locks.claim
         if held is not None and held.valid():
             return
-        self._locks.claim = claim_tier(self.root)
+        self._locks.claim = claim_tier(self.root, self.owner)
         if held is not None:
             held.release()
 

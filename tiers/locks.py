@@ -221,10 +221,11 @@ class Holder:
 class _SharedClaim:
     """This process's writer lock on one tier: one descriptor, counted by the runners using it."""
 
-    def __init__(self, lock: HeldLock, path: Path, key: tuple[int, int]) -> None:
+    def __init__(self, lock: HeldLock, path: Path, key: tuple[int, int], owner: object | None) -> None:
         self.lock = lock
         self.path = path
         self.key = key
+        self.owner = owner
         self.users = 1
 
     def valid(self) -> bool:
@@ -264,11 +265,14 @@ class TierClaim:
                 shared.close()
 
 
-def claim_tier(root: Path) -> TierClaim:
-    """Become the writer of tier directory ``root`` (or join this process's claim on it).
+def claim_tier(root: Path, owner: object | None = None) -> TierClaim:
+    """Become the writer of tier directory ``root`` for ``owner`` (a runner's token; None: this process's
+    tools), or join ``owner``'s claim on it: its checkpoints, flushes and retention share one lock.
 
-    InUseError naming the holder (host, pid) if another process writes it; OSError if the lock file
-    cannot be created or written (a read-only or missing tier) or is not a regular file (a symlink).
+    InUseError naming the holder (host, pid) if another process writes it, or another owner of this
+    process (a second runner on the same tier, as a notebook cell run twice builds): the same rule in
+    and across processes. OSError if the lock file cannot be created or written (a read-only or
+    missing tier) or is not a regular file (a symlink).
     """
     path = root / WRITER_LOCK_NAME
     for _ in range(_CREATE_ATTEMPTS):
@@ -281,13 +285,15 @@ def claim_tier(root: Path) -> TierClaim:
             shared = _claims.get(key)
             if shared is not None and shared.valid():
                 os.close(fd)
+                if shared.owner is not owner:
+                    raise InUseError(f"{root}: already written by another runner of this process ({Holder.me()})")
                 shared.users += 1
                 return TierClaim(shared)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if _still_there(path, fd):
                     _record_holder(path)
-                    shared = _claims[key] = _SharedClaim(HeldLock(fd), path, key)
+                    shared = _claims[key] = _SharedClaim(HeldLock(fd), path, key, owner)
                     return TierClaim(shared)
             except BlockingIOError:
                 holder = Holder.parse(os.pread(fd, 4096, 0))

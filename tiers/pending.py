@@ -148,7 +148,7 @@ def flush_by_hand(
     claims = []
     try:
         for tier in sources.values():
-            claims.append(claim_tier(tier.root))
+            claims.append(claim_tier(tier.root, tier.owner))
             collect_garbage([tier], older_than=0)
         for item in pending:
             for name in item.targets:

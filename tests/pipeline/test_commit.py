@@ -134,6 +134,7 @@ def test_pickle_needs_permission(make_runner):
     runner.register(meta=ObjectProvider({"k": 1}, serializer="pickle"))
     with pytest.raises(CheckpointFailed, match="allow_pickle"):
         runner.checkpoint(1).result()
+    runner.close()  # one writer per tier, in a process too: the next runner takes it once this one is closed
     allowed = make_runner(policies__allow_pickle=True)
     allowed.register(meta=ObjectProvider({"k": 1}, serializer="pickle"))
     assert allowed.checkpoint(1).result().step == 1

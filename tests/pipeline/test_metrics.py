@@ -60,6 +60,7 @@ def test_capture_waiting_for_the_host_cache_is_measured(make_runner: Callable[..
     slow.register(t=TensorDictProvider(_tensors(8)))
     starved = slow.checkpoint(1)
     starved.result()
+    slow.close()  # one writer per tier: the next runner takes it
     fast = make_runner(chunk_size="1MiB")
     fast.register(t=TensorDictProvider(_tensors(8)))
     roomy = fast.checkpoint(2)  # same tiers: another step

@@ -58,3 +58,23 @@ def test_a_repeated_step_fails_at_the_call_and_latest_step_tells_a_first_run(
     assert runner.latest_step() == 3
     runner.checkpoint(4).result()  # training goes on
     assert runner.latest_step() == 4
+
+
+def test_two_runners_in_one_process_on_one_tier_are_two_writers(make_runner: Callable[..., Runner]) -> None:
+    """A notebook cell that builds the runner, run twice: the second runner is refused as a second process
+    would be (TierInUseError naming this process), and takes the tier once the first is closed."""
+    from tierstate import TierInUseError
+
+    first = make_runner()
+    first.register(t=TensorDictProvider({"w": torch.ones(2)}))
+    first.checkpoint(1).result()
+    second = make_runner()
+    second.register(t=TensorDictProvider({"w": torch.zeros(2)}))
+    refused = second.checkpoint(2)
+    refused.wait()
+    assert isinstance(refused.error, TierInUseError), refused.error
+    assert "already written by another runner of this process" in str(refused.error)
+    first.checkpoint(3).result()  # the first goes on
+    first.close()
+    second.checkpoint(4).result()  # and the second takes over once it is closed
+    assert second.steps()["nvme"] == [1, 3, 4]
