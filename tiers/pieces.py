@@ -265,15 +265,16 @@ def _decode_into(
         position += len(block)
 
 
-def decoding_problem(fd: int, frame: FrameRecord, where: str) -> str | None:
-    """Why a frame whose stored bytes verified does not decode to the ``raw_length`` its record
-    states, or None when it does: the check a restore makes on the bytes it decodes, run to the
-    frame's end for verify and migrate (a re-signed zstd frame can state 1 KiB and expand to 4 GiB).
-    Streaming: memory is one block, however far the frame expands."""
+def decoding_problem(stored: int | bytes, frame: FrameRecord, where: str) -> str | None:
+    """Why a frame whose stored bytes verified (in the file ``stored``, a descriptor, or already read)
+    does not decode to the ``raw_length`` its record states, or None when it does: the check a restore
+    makes on the bytes it decodes, run to the frame's end for verify and migrate (a re-signed zstd
+    frame can state 1 KiB and expand to 4 GiB). Streaming: memory is one block, however far it expands."""
     if frame.codec == "none":
         return None
+    source = _StoredStream(stored, frame.offset, frame.length, where) if isinstance(stored, int) else stored
     try:
-        for _block in zstd_blocks(_StoredStream(fd, frame.offset, frame.length, where), frame.raw_length):
+        for _block in zstd_blocks(source, frame.raw_length):
             pass
     except CodecError as exc:
         return str(exc)

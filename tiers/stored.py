@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from .pieces import CorruptCheckpointError, check_file_sizes, read_records
 from .reader import COPY_ERRORS, read_view
 from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
 from .source import ByteSource, DirectorySource, as_source
+from .verify import Problem, verify_source
 
 __all__ = [
     "COPY_ERRORS",
@@ -149,6 +150,11 @@ class StoredCheckpoint:
         """Items (all by default): key -> tensor (CPU, a buffer of its own; a tied tensor is its target's)
         or object. Sharded tensors come back whole, per-rank items as ``rank``'s."""
         return self.view(rank, keys).read(allow_pickle=allow_pickle, workers=workers)
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
+        """Every checksum of it recomputed (data frames, decoded to their end if compressed, and indexes),
+        without decoding items or loading anything: each bad file or frame named. Empty when intact."""
+        return verify_source(self.source, self.manifest, progress)
 
     def check_sizes(self) -> None:
         """Refuse data files shorter than the manifest says (once), before anything is allocated."""

@@ -25,6 +25,7 @@ from .framefile import hash_range
 from .locks import reading
 from .pieces import decoding_problem
 from .safeopen import UnsafeFileError, open_read, read_bytes, remove, write_durably
+from .source import ByteSource, DirectorySource, ShortReadError
 
 STAMP_NAME = "verified.json"
 
@@ -106,6 +107,56 @@ def verify_directory(directory: Path, manifest: Manifest, progress: Progress | N
         except OSError as exc:
             problems.append(Problem(name, None, _unreadable(exc)))
             continue
+        if actual != digest:
+            problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
+        elif problem := index_problem(data, name):
+            problems.append(Problem(name, None, problem))
+    return problems
+
+
+def verify_source(source: ByteSource, manifest: Manifest, progress: Progress | None = None) -> list[Problem]:
+    """:func:`verify_directory` for a checkpoint in any :class:`~tiers.source.ByteSource` (a bucket
+    prefix): every frame read through ``read_into``, checksummed and, if compressed, decoded to its end."""
+    if isinstance(source, DirectorySource):
+        return verify_directory(source.directory, manifest, progress)
+    advance = progress or (lambda _n: None)
+    problems: list[Problem] = []
+    for name, record in sorted(manifest.files.items()):
+        try:
+            size = source.size(name)
+        except OSError as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
+            advance(record.size)
+            continue
+        if size != record.size:
+            problems.append(Problem(name, None, f"is {size} bytes, the manifest says {record.size}"))
+        for i, frame in enumerate(record.frames):
+            span = f"bytes {frame.offset}..{frame.offset + frame.length}"
+            stored = bytearray(frame.length)
+            try:
+                source.read_into(name, frame.offset, memoryview(stored))
+            except ShortReadError:
+                problems.append(Problem(name, i, f"{span}: truncated"))
+                continue
+            except OSError as exc:
+                problems.append(Problem(name, None, _unreadable(exc)))
+                break
+            finally:
+                advance(frame.length)
+            actual = checksum(memoryview(stored))
+            if actual != frame.checksum:
+                problems.append(
+                    Problem(name, i, f"{span}: checksum mismatch (expected {frame.checksum}, got {actual})")
+                )
+            elif decoded := decoding_problem(bytes(stored), frame, f"{source.where}/{name} frame {i}"):
+                problems.append(Problem(name, i, f"{span}: {decoded}"))
+    for name, digest in sorted(manifest.indexes.items()):
+        try:
+            data = source.read_small(name)
+        except OSError as exc:
+            problems.append(Problem(name, None, _unreadable(exc)))
+            continue
+        actual = checksum(data)
         if actual != digest:
             problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
         elif problem := index_problem(data, name):
@@ -206,7 +257,7 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
     directory = tier.step_dir(step)
     result = VerifyResult(tier.name, step, directory)
     started = time.perf_counter()
-    with reading(directory):
+    with reading(directory):  # held through the stamp, so not StoredCheckpoint.locked: a bad manifest is a result
         try:
             manifest = tier.manifest(step)
         except ManifestError as exc:

@@ -112,3 +112,18 @@ def test_locked_holds_the_read_lock_on_a_directory(make_runner) -> None:  # noqa
         assert checkpoint.directory == directory
         with pytest.raises(InUseError), exclusive(directory):
             pass
+
+
+def test_verify_names_the_bad_frame_in_a_directory_and_in_another_source_alike(make_runner) -> None:  # noqa: ANN001
+    directory = _saved(make_runner)
+    assert StoredCheckpoint(directory).verify() == []
+    source = _in_memory(directory)
+    assert StoredCheckpoint(source).verify() == []
+    data_file = next(name for name in source.names() if name.endswith(".data"))
+    raw = bytearray(source.objects[data_file])
+    raw[10] ^= 0xFF
+    source.objects[data_file] = bytes(raw)
+    (problem,) = StoredCheckpoint(source).verify()
+    assert (problem.file, problem.frame) == (data_file, 0) and "checksum mismatch" in problem.message
+    (directory / data_file).write_bytes(bytes(raw))
+    assert [str(p) for p in StoredCheckpoint(directory).verify()] == [str(problem)]
