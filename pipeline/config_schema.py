@@ -386,10 +386,6 @@ class ConfigSchema(_Strict):
         """The stage of ``kind`` (each kind occurs at most once), or None, e.g. without compress."""
         return next((stage for _, stage in self.chain() if stage.kind == kind), None)
 
-    def durable_tiers(self) -> list[str]:
-        """Tier names fastest first, as written in the YAML; all tiers are filesystem tiers."""
-        return list(self.tiers)
-
     @property
     def persist_tier(self) -> str:
         """The tier the pipeline writes to; later tiers are reached by migration."""

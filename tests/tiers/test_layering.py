@@ -1,8 +1,11 @@
 """The modules of ``tiers`` import each other without a cycle, and reading is layered.
 
-Reading a checkpoint is three layers, each importing only layers below it: ``pieces`` (frames ->
-verified bytes in byte buffers), ``reshard`` (boxes of sharded tensors across rank files),
-``reader`` (whole items, ``load``). The rank file-name grammar has one home, ``names``.
+Reading a checkpoint is layers, each importing only layers below it: ``source`` (where bytes come
+from: a directory, a bucket prefix), ``pieces`` (frames -> verified bytes in byte buffers),
+``reshard`` (boxes of sharded tensors across rank files), ``reader`` (whole items), and on top
+``stored`` (one object per stored checkpoint), the only one read from outside. The rank file-name
+grammar has one home, ``names``. Between packages: pipeline may import providers and tiers; neither
+imports pipeline; the pipeline, the integrations and the CLI read checkpoints only through ``stored``.
 Imports are read from the source with ``ast``, function-level ones included (a cycle hidden in
 a function is still a cycle).
 """
@@ -69,7 +72,60 @@ def test_tiers_modules_import_each_other_without_a_cycle() -> None:
 
 def test_reading_layers_import_only_downwards() -> None:
     graph = import_graph()
-    assert not graph["pieces"] & {"reshard", "reader"}
-    assert "pieces" in graph["reshard"] and "reader" not in graph["reshard"]
-    assert {"pieces", "reshard"} <= graph["reader"]
+    assert not graph["source"] & {"format", "pieces", "reshard", "reader", "stored"}
+    assert not graph["pieces"] & {"reshard", "reader", "stored"}
+    assert "pieces" in graph["reshard"] and not graph["reshard"] & {"reader", "stored"}
+    assert {"pieces", "reshard"} <= graph["reader"] and "stored" not in graph["reader"]
+    assert {"reader", "reshard", "multirank", "source"} <= graph["stored"]
     assert not graph["names"]  # the file-name grammar needs nothing: any module may use it
+
+
+PACKAGES = {"pipeline": REPO / "pipeline", "providers": REPO / "providers", "tiers": TIERS}
+OUTSIDE = {"integrations": REPO / "src" / "tierstate" / "integrations", "cli": REPO / "src" / "tierstate" / "cli"}
+READING_INTERNALS = {"reader", "reshard", "pieces", "source"}  # read only through tiers.stored
+
+
+def _targets(path: Path, package: str) -> set[str]:
+    """``package.module`` of every tierstate module ``path`` imports (relative imports resolved)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:  # a sibling
+                names = [node.module] if node.module else [a.name for a in node.names]
+                found |= {f"{package}.{n.split('.')[0]}" for n in names}
+            elif node.level >= 2 and node.module:  # ..tiers.stored from pipeline/ or src/tierstate/x/
+                found.add(".".join(node.module.split(".")[:2]))
+            elif (node.module or "").startswith("tierstate."):
+                found.add(".".join(node.module.split(".")[1:3]))
+        elif isinstance(node, ast.Import):
+            found |= {".".join(a.name.split(".")[1:3]) for a in node.names if a.name.startswith("tierstate.")}
+    return found
+
+
+def _imports_of(directory: Path, package: str) -> dict[str, set[str]]:
+    return {f"{package}/{p.name}": _targets(p, package) for p in directory.rglob("*.py")}
+
+
+def test_nothing_below_the_pipeline_imports_it() -> None:
+    for package in ("providers", "tiers"):
+        upward = {
+            f: {t for t in ts if t.startswith("pipeline")} for f, ts in _imports_of(PACKAGES[package], package).items()
+        }
+        assert not {f: ts for f, ts in upward.items() if ts}, f"{package} imports pipeline"
+
+
+def test_the_pipeline_and_the_integrations_read_checkpoints_only_through_the_stored_object() -> None:
+    importers = _imports_of(PACKAGES["pipeline"], "pipeline")
+    for name, directory in OUTSIDE.items():
+        importers |= _imports_of(directory, name)
+    reaching = {
+        f: sorted(t for t in ts if t.partition(".")[0] == "tiers" and t.partition(".")[2] in READING_INTERNALS)
+        for f, ts in importers.items()
+    }
+    assert not {f: ts for f, ts in reaching.items() if ts}
+
+
+def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from ..tiers.reader import x\nfrom tierstate.tiers.pieces import y\nfrom .job import z\n")
+    assert _targets(module, "pipeline") == {"tiers.reader", "tiers.pieces", "pipeline.job"}
