@@ -23,8 +23,8 @@ from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.migrate import migrate
 from tierstate.tiers.pacing import Pacer
 from tierstate.tiers.policy import RetentionPolicy
-from tierstate.tiers.stored import load
 from tierstate.tiers.retention import TierPolicies
+from tierstate.tiers.stored import load
 
 MiB = 1 << 20
 
