@@ -212,6 +212,12 @@ class S3Tier:
         self.store.delete([prefix + MANIFEST_NAME])
         self.store.delete([o.name for o in self.store.list(prefix)])
 
+    def incomplete_steps(self) -> set[int]:
+        """Steps with objects under their prefix and no manifest: not checkpoints (a writer at work, or
+        one that was killed)."""
+        committed = set(self.steps())
+        return {int(m.group(1)) for o in self.store.list("step-") if (m := _STEP_OBJECT_RE.match(o.name))} - committed
+
     def collect_garbage(self, older_than: float, dry_run: bool = False) -> list[Leftover]:
         """Remove, once older than ``older_than`` seconds, objects of a step that has no manifest and
         multipart uploads never completed: what a killed writer leaves. Committed steps are not touched."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,9 +16,10 @@ pytest.importorskip("moto.server")
 
 import s3server
 
+from conftest import REPO
 from tierstate.pipeline.config import ConfigError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import TierError
+from tierstate.tiers.filesystem import FilesystemTier, TierError
 from tierstate.tiers.objstore import ObjectStore
 from tierstate.tiers.s3tier import S3Tier
 
@@ -71,3 +76,43 @@ def test_runner_construction_names_missing_credentials(make_runner, endpoint, bu
 def test_a_bucket_is_not_the_persist_tier(make_runner, endpoint, bucket):
     with pytest.raises(ConfigError, match="is a bucket"):
         make_runner(**_bucket_tier(endpoint, f"s3://{bucket}/x"), **{"pipeline.stages.persist.tier": "bucket"})
+
+
+def _cli(endpoint: str, *args: str) -> subprocess.CompletedProcess:
+    """The real CLI in its own process, the endpoint from $AWS_ENDPOINT_URL as a user sets it."""
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
+    command = [sys.executable, "-m", "tierstate", "s3", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def test_cli_push_ls_verify_pull_prune_gc(make_runner, endpoint, bucket, tmp_path):
+    runner = make_runner(chunk_size="1MiB")
+    runner.register(model=TensorDictProvider({"w": torch.randn(MiB)}))
+    for step in (1, 2):
+        runner.checkpoint(step).result()
+    runner.close()
+    url = f"s3://{bucket}/cli"
+    for step in ("1", "2"):
+        pushed = _cli(endpoint, "push", url, step, "--from", str(tmp_path / "nvme"))
+        assert pushed.returncode == 0 and "copied" in pushed.stdout, pushed.stderr
+    tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint))
+    tier.store.put_bytes("step-3/rank-00000.data", b"left by a killed writer")
+    listed = json.loads(_cli(endpoint, "ls", url, "--json").stdout)
+    states = [(r["step"], r["state"].split()[0]) for r in listed]
+    assert states == [(1, "committed"), (2, "committed"), (3, "incomplete")]
+    assert _cli(endpoint, "verify", url).returncode == 0
+    pulled = _cli(endpoint, "pull", url, "2", "--to", str(tmp_path / "elsewhere"))
+    assert pulled.returncode == 0, pulled.stderr
+    assert FilesystemTier("elsewhere", tmp_path / "elsewhere").steps() == [2]
+    data = bytearray(tier.store.get_bytes("step-1/rank-00000.data"))
+    data[100] ^= 1
+    tier.store.put_bytes("step-1/rank-00000.data", bytes(data))
+    bad = _cli(endpoint, "verify", url)
+    assert bad.returncode == 1 and "step 1" in bad.stdout and "rank-00000.data frame 0" in bad.stdout
+    assert _cli(endpoint, "prune", url, "--keep-last", "1").returncode == 0
+    assert tier.steps() == [2]
+    gc = _cli(endpoint, "gc", url, "--older-than", "0")
+    assert gc.returncode == 0 and "orphan object" in gc.stdout
+    assert tier.incomplete_steps() == set()
+    missing = _cli(endpoint, "ls", "s3://no-such-bucket-x/p")
+    assert missing.returncode == 1 and "bucket 'no-such-bucket-x' does not exist" in missing.stderr

@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from .._version import __version__
 from ..pipeline.packaged import packaged_configs
+from . import s3
 
 _INVALID_COMMAND = re.compile(r"^argument COMMAND: invalid choice: '([^']*)'")
 
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "runner does (e.g. after a crashed job), oldest first and verified; then apply retention", [common],
     )  # fmt: skip
     f.add_argument("--bandwidth", metavar="SIZE", help="bytes per second to use at most, e.g. 200MB")
+
+    s3.add_parser(sub)
 
     g = command("gc", "remove .partial leftovers older than a bound, and .deleting ones", [common])
     g.add_argument("--older-than", default="1h", metavar="AGE", help="e.g. 30m, 2h, 1d (default 1h)")

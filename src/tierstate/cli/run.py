@@ -34,6 +34,7 @@ from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import collect_garbage
 from . import options, render
 from .progress import byte_progress
+from .s3 import run_s3
 from .stats import show_stats
 
 # Errors that mean the request itself is wrong: printed without a traceback, exit code 2.
@@ -195,6 +196,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "export": _export,
     "import": _import,
     "init": _init,
+    "s3": run_s3,
 }
 
 
