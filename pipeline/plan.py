@@ -9,7 +9,6 @@ tensor registered under two keys (tied weights) is planned once and recorded as 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,29 +16,9 @@ from ..providers.dtensor import storage_of
 from ..providers.items import ObjectItem, TensorItem
 from ..tiers.container import TensorLayout
 from ..tiers.dtypes import dtype_name
-
-if TYPE_CHECKING:
-    from .capture import CopyProgram
+from .units import ChunkPlan, TensorPiece
 
 ITEM_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class TensorPiece:
-    """Bytes [item_offset, item_offset + length) of ``item`` land at ``chunk_offset`` in the chunk."""
-
-    item: TensorItem
-    item_offset: int
-    length: int
-    chunk_offset: int
-
-
-@dataclass
-class ChunkPlan:
-    index: int
-    pieces: list[TensorPiece] = field(default_factory=list)
-    nbytes: int = 0
-    program: CopyProgram | None = None  # how capture copies it, once worked out (capture.py)
 
 
 @dataclass

@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from tierstate.errors import TierstateError
@@ -48,7 +47,8 @@ from ..providers.base import Batched, DeferredListing, StateProvider
 from ..providers.dtensor import is_dtensor, storage_of
 from ..providers.items import Item, ObjectItem, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot, VersionWatch
-from .plan import CheckpointPlan, ChunkPlan, plan_checkpoint, tensor_layout
+from .plan import CheckpointPlan, plan_checkpoint, tensor_layout
+from .units import ChunkPlan, EagerSources
 
 _FORM = operator.attrgetter("dtype", "shape", "device")  # what a plan fixes of a tensor
 
@@ -75,14 +75,6 @@ class EagerGroup:
         if copy.dtype != self.dtype or tuple(copy.shape[1:]) != self.shape or copy.device.type != "cpu":
             return None
         return copy
-
-
-@dataclass
-class EagerSources:
-    """Where capture finds the bytes of eagerly copied items: ``key -> (group, byte offset)`` in the stacks."""
-
-    where: Mapping[str, tuple[int, int]]
-    stacks: list[np.ndarray]  # each group's stack as flat bytes
 
 
 @dataclass

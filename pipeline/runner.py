@@ -39,7 +39,6 @@ from ..tiers.filesystem import CheckpointExistsError, FilesystemTier
 from ..tiers.format import MAX_BYTES
 from ..tiers.hostcache import HostCache
 from .buckets import BucketFlusher
-from .capture import SlabCopier, record_ready_event
 from .config import PipelineConfig, load_config, parse_config
 from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
@@ -55,6 +54,7 @@ from .plan_cache import PlanCache, Resolve
 from .registration import provider_for
 from .restore import RestoreResult, nearest_first, restore_into
 from .room import Room
+from .stages.capture import SlabCopier, record_ready_event
 from .tierpaths import check_tier_paths
 
 log = logging.getLogger("tierstate")

@@ -12,21 +12,19 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from tierstate.pipeline.capture import SlabCopier
-from tierstate.pipeline.config import parse_config
-from tierstate.pipeline.job import CheckpointJob, JobContext
-from tierstate.pipeline.lanes import Lane, Step, run_lane
+from tierstate.pipeline.lanes import Lane, Step, feed, run_lane
 from tierstate.pipeline.metrics import CheckpointStats, StageStats
-from tierstate.pipeline.plan import ChunkPlan, plan_checkpoint
+from tierstate.pipeline.plan import CheckpointPlan, plan_checkpoint
 from tierstate.pipeline.stage_threads import Flow, Handoff, Stopped, run_workers
-from tierstate.pipeline.units import Chunk, ObjectBatch, run_blocking
+from tierstate.pipeline.stages.capture import Capture, SlabCopier
+from tierstate.pipeline.stages.serialize import Serialize
+from tierstate.pipeline.stages.slabs import HeldSlabs
+from tierstate.pipeline.units import Chunk, ChunkPlan, ObjectBatch, Unit, run_blocking
 from tierstate.providers import ObjectItem, TensorItem
-from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.hostcache import HostCache
 from tierstate.tiers.objcodec import decode_object
 
@@ -42,14 +40,18 @@ def pools() -> Iterator[tuple[concurrent.futures.Executor, concurrent.futures.Ex
     io.shutdown()
 
 
-def _job(tmp_path: Path, pools, items: list, cache_slabs: int = 2) -> tuple[CheckpointJob, HostCache]:
-    """A job over ``items`` with a host cache of ``cache_slabs`` slabs of 1 MiB."""
-    config = parse_config({"tiers": {"nvme": {"path": str(tmp_path)}}, "chunk_size": "1MiB",
-                           "host_cache": {"size": cache_slabs * MiB}})  # fmt: skip
-    cache = HostCache(config.host_cache.size, MiB, pinned=False)
-    compute, io = pools
-    ctx = JobContext(config, cache, FilesystemTier("nvme", tmp_path), compute, io, SlabCopier())
-    return CheckpointJob(ctx, 1, plan_checkpoint(items, MiB), None, lambda: None, CheckpointStats(1)), cache
+class Flowing:
+    """What the stages of one checkpoint share: its flow, lock and stats, and the slabs it holds in a host
+    cache of ``cache_slabs`` slabs of 1 MiB; ``plan``: the items planned in chunks of 1 MiB."""
+
+    def __init__(self, items: list, cache_slabs: int = 2) -> None:
+        self.plan: CheckpointPlan = plan_checkpoint(items, MiB)
+        self.cache = HostCache(cache_slabs * MiB, MiB, pinned=False)
+        self.flow, self.lock, self.stats = Flow(), threading.Lock(), CheckpointStats(1)
+        self.slabs = HeldSlabs(self.cache, self.flow, self.lock, self.stats)
+
+    def capture(self) -> Capture:
+        return Capture(self.slabs, SlabCopier(), None, None, True, len(self.plan.chunks), lambda: None, self.lock)
 
 
 def _until(predicate, what: str, timeout: float = 30.0) -> None:
@@ -74,24 +76,31 @@ def _filled(flow: Flow, units: list) -> Handoff:
     return queue
 
 
-def _keep(unit: object) -> object:
-    return unit
+class Keep:
+    """A stage that hands every unit on as it is: the lane a test only reads from."""
+
+    def passes(self, unit: Unit) -> bool:  # noqa: ARG002
+        return False
+
+    def run(self, unit: Unit) -> Unit:
+        return unit
 
 
-def _lane(stats: StageStats, work, inbox: Handoff) -> Lane:
-    """One worker's lane running ``work`` on every unit (``_keep``: a lane the test only reads from)."""
-    return Lane([Step(stats, work, lambda unit: False)], 1, inbox)
+def _lane(stats: StageStats, stage, inbox: Handoff) -> Lane:
+    """One worker's lane running ``stage`` on every unit."""
+    return Lane([Step(stats, stage)], 1, inbox)
 
 
-def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_path, pools):
+def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full():
     tensors = [torch.arange(MiB // 4, dtype=torch.float32) + i for i in range(3)]
-    job, cache = _job(tmp_path, pools, [TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
+    job = Flowing([TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
+    cache = job.cache
     assert len(job.plan.chunks) == 3 and cache.slab_count == 2
-    flow = job._flow_state
+    flow = job.flow
     inbox, outbox = _filled(flow, job.plan.chunks), Handoff(8, flow)
-    job.stats.stages["capture"] = StageStats()
-    lanes = [_lane(job.stats.stages["capture"], job._capture, inbox), _lane(StageStats(), _keep, outbox)]
-    worker = _thread(run_lane, lanes, 0, job._lock, [1])
+    stats = StageStats()
+    lanes = [_lane(stats, job.capture(), inbox), _lane(StageStats(), Keep(), outbox)]
+    worker = _thread(run_lane, lanes, 0, job.lock, [1])
 
     first, second = outbox.get(), outbox.get()
     # The worker went straight on to the third chunk and is now waiting for a slab: nothing more comes out.
@@ -99,23 +108,23 @@ def test_capture_waits_for_a_free_slab_when_the_host_cache_is_full(tmp_path, poo
     assert cache.in_use == 2 and worker.is_alive()
     assert bytes(first.raw) == tensors[0].numpy().tobytes() and bytes(second.raw) == tensors[1].numpy().tobytes()
 
-    job._release(first.slab)  # persist is done with the first chunk
+    job.slabs.give_back(first.slab)  # persist is done with the first chunk
     third = outbox.get()
     assert third.slab is first.slab and bytes(third.raw) == tensors[2].numpy().tobytes()  # the freed slab, reused
     assert outbox.get() is None  # the stage's last worker closed its outbox
     worker.join(30)
-    assert cache.peak_in_use == 2 and job.stats.stages["capture"].units == 3
+    assert cache.peak_in_use == 2 and stats.units == 3
 
 
-def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on(tmp_path, pools):
-    job, _ = _job(tmp_path, pools, [ObjectItem("meta", {"epoch": 2}), ObjectItem("note", "hi", serializer="json")])
+def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on():
+    job = Flowing([ObjectItem("meta", {"epoch": 2}), ObjectItem("note", "hi", serializer="json")])
     tensor_chunk = Chunk(entries=[], raw=memoryview(b"raw tensor bytes"))
-    flow = job._flow_state
+    flow = job.flow
     inbox, outbox = _filled(flow, [ObjectBatch(job.plan.objects), tensor_chunk]), Handoff(8, flow)
     stats = StageStats()
-    serialize = Lane([Step(stats, job._serialize, job._passes(job.ctx.config.pipeline.stages["serialize"]))], 2, inbox)
-    lanes, left = [serialize, _lane(StageStats(), _keep, outbox)], [2]
-    for worker in [_thread(run_lane, lanes, 0, job._lock, left) for _ in range(2)]:
+    serialize = Lane([Step(stats, Serialize(allow_pickle=False))], 2, inbox)
+    lanes, left = [serialize, _lane(StageStats(), Keep(), outbox)], [2]
+    for worker in [_thread(run_lane, lanes, 0, job.lock, left) for _ in range(2)]:
         worker.join(30)
 
     out = []
@@ -129,12 +138,12 @@ def test_serialize_encodes_the_objects_and_passes_tensor_chunks_on(tmp_path, poo
     assert decode_object(decoded["note"], "json") == "hi"
 
 
-def test_the_feeder_waits_while_the_first_queue_is_full(tmp_path, pools):
+def test_the_feeder_waits_while_the_first_queue_is_full():
     tensors = [torch.full((MiB // 8,), float(i)) for i in range(5)]  # half a MiB each: 3 chunks
-    job, _ = _job(tmp_path, pools, [TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
+    job = Flowing([TensorItem(f"t{i}", t) for i, t in enumerate(tensors)])
     assert len(job.plan.chunks) == 3
-    queue = Handoff(2, job._flow_state)
-    feeder = _thread(job._feed, job.plan.chunks, queue)
+    queue = Handoff(2, job.flow)
+    feeder = _thread(feed, job.plan.chunks, queue)
     _until(lambda: queue.peak == 2, "the feeder to fill the queue")
     assert feeder.is_alive()  # blocked on the third put until a unit is taken
     received = []

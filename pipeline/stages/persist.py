@@ -1,4 +1,4 @@
-"""The persist stage's end: this rank's files on the durable tier, in either container format.
+"""The persist stage: this rank's files on the durable tier, in either container format.
 
 The writers in tiers (:mod:`tiers.rankwriter` over :mod:`tiers.container`) only block and raise
 OSError. This is the one place where the pipeline calls them, so whichever format the YAML picks
@@ -13,16 +13,20 @@ the file; the write rate stays under ``persist.bandwidth``.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..tiers.container import Chunk, Layout
-from ..tiers.format import ManifestBody
-from ..tiers.pacing import Pacer
-from ..tiers.rankwriter import RankWriter, data_file_path
-from .config_schema import PersistStage
-from .plan import CheckpointPlan, tensor_layout
-from .retry import RetryPolicy, storage_call, storage_call_here
+from ...tiers.container import Chunk, Layout
+from ...tiers.format import ManifestBody
+from ...tiers.pacing import Pacer
+from ...tiers.rankwriter import RankWriter, data_file_path
+from ..config_schema import PersistStage
+from ..metrics import CheckpointStats
+from ..plan import CheckpointPlan, tensor_layout
+from ..retry import RetryPolicy, storage_call, storage_call_here
+from ..units import Unit
+from .slabs import HeldSlabs
 
 
 def plan_layout(plan: CheckpointPlan) -> Layout:
@@ -89,3 +93,29 @@ class TierWriter:
     def close(self) -> None:
         """Abandon the data file after a failure."""
         self.writer.close()
+
+
+class Persist:
+    """The stage: each chunk written through ``writer``, counted, and its slab given back. Every unit that
+    reaches it must be a chunk by then (capture, serialize): anything else would be lost from the
+    checkpoint, so it fails the checkpoint instead."""
+
+    def __init__(self, writer: TierWriter, slabs: HeldSlabs, stats: CheckpointStats, lock: threading.Lock) -> None:
+        self._writer = writer
+        self._slabs = slabs
+        self._stats = stats
+        self._lock = lock
+
+    def passes(self, unit: Unit) -> bool:  # noqa: ARG002  # every unit is written
+        return False
+
+    def run(self, unit: Unit) -> None:
+        if not isinstance(unit, Chunk):
+            raise TypeError(f"tier {self._writer.tier}: a {type(unit).__name__} reached persist unconverted")
+        self._writer.write(unit, self._slabs.flow.sleep)
+        with self._lock:
+            self._stats.raw_bytes += len(unit.raw)
+            self._stats.stored_bytes += len(unit.payload)
+            self._stats.chunks += 1
+        if unit.slab is not None:
+            self._slabs.give_back(unit.slab)

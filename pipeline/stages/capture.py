@@ -1,4 +1,4 @@
-"""Copying tensor bytes into host-cache slabs: the only step the trainer may have to wait for.
+"""The capture stage: tensor bytes copied into host-cache slabs, the only step the trainer may wait for.
 
 Host tensors are copied by a worker thread (``copy_`` releases the GIL). GPU tensors are copied on
 a side CUDA stream, into pinned slabs, with ``non_blocking=True``; the side stream first waits for
@@ -9,18 +9,17 @@ thread synchronizes on, never the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
-from ..tiers import faults
-from ..tiers.format import checksum
-from ..tiers.hostcache import Slab
-from .plan import ChunkPlan, TensorPiece
-from .plan_cache import EagerSources
-from .units import Chunk, ChunkEntry
+from ...tiers import faults
+from ...tiers.format import checksum
+from ...tiers.hostcache import Slab
+from ..units import Chunk, ChunkEntry, ChunkPlan, CopyProgram, EagerSources, TensorPiece, Unit
+from .slabs import HeldSlabs
 
 
 def record_ready_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
@@ -30,6 +29,46 @@ def record_ready_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record()
     return event
+
+
+class Capture:
+    """The stage: each :class:`ChunkPlan` into a slab of its own, as a :class:`Chunk`. The object batch needs
+    nothing (its values were snapshotted at the request) and goes on as it is. Once the last of this
+    rank's ``chunks`` is copied, ``on_captured`` runs (the optimizer may step from then on)."""
+
+    def __init__(
+        self,
+        slabs: HeldSlabs,
+        copier: SlabCopier,
+        ready: torch.cuda.Event | None,
+        sources: EagerSources | None,
+        hash_raw: bool,
+        chunks: int,
+        on_captured: Callable[[], None],
+        lock: threading.Lock,
+    ) -> None:
+        self._slabs = slabs
+        self._copier = copier
+        self._ready = ready
+        self._sources = sources
+        self._hash_raw = hash_raw
+        self._left = chunks
+        self._on_captured = on_captured
+        self._lock = lock
+
+    def passes(self, unit: Unit) -> bool:  # noqa: ARG002  # every unit is counted as captured, objects too
+        return False
+
+    def run(self, unit: Unit) -> Unit:
+        if not isinstance(unit, ChunkPlan):
+            return unit
+        chunk = self._copier.copy(unit, self._slabs.take(), self._ready, self._sources, self._hash_raw)
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._on_captured()
+        return chunk
 
 
 class SlabCopier:
@@ -58,7 +97,7 @@ class SlabCopier:
         where = sources.where if sources is not None else {}
         program = plan.program
         if program is None or program.where is not where:  # worked out once per chunk of a reused plan
-            program = plan.program = CopyProgram.of(plan, where)
+            program = plan.program = copy_program(plan, where)
         dst = slab.tensor
         dst_bytes = dst.numpy()  # once per chunk: a chunk may hold thousands of small tensors
         for start, end in program.zeros:
@@ -110,48 +149,28 @@ class SlabCopier:
             event.synchronize()
 
 
-@dataclass
-class CopyProgram:
-    """One chunk's copies, worked out once and kept on its plan (a reused plan runs it every checkpoint):
-    runs out of the eager stacks, merged where both sides are contiguous; pieces copied from their
-    items' tensors; alignment gaps to zero; the entries the container records."""
-
-    where: Mapping[str, tuple[int, int]]  # the eager sources it was made for
-    entries: list[ChunkEntry]
-    zeros: list[tuple[int, int]]
-    runs: list[tuple[int, int, int, int]]  # (stack, start in it, start in the chunk, length)
-    pieces: list[TensorPiece]
-    element_size: int
-    # Per piece of a host tensor: its source bytes as numpy, and the tensor's data_ptr they were taken at.
-    # Reused while the tensor still points there (the array holds that memory, so no other tensor can
-    # be there), which spares four torch calls per piece: ~1 s of capture for 10^5 small tensors. Kept
-    # only by a program that runs again (a reused plan's, whose pieces are live tensors): a plan made
-    # for one checkpoint holds eager copies, which a failed checkpoint's error may keep alive with it.
-    views: list[tuple[int, np.ndarray] | None] = field(default_factory=list)
-    runs_before: int = 0
-
-    @classmethod
-    def of(cls, plan: ChunkPlan, where: Mapping[str, tuple[int, int]]) -> CopyProgram:
-        zeros: list[tuple[int, int]] = []
-        runs: list[tuple[int, int, int, int]] = []
-        pieces: list[TensorPiece] = []
-        end = 0
-        for piece in plan.pieces:
-            if piece.chunk_offset > end:
-                zeros.append((end, piece.chunk_offset))
-            end = piece.chunk_offset + piece.length
-            place = where.get(piece.item.key)
-            if place is None:
-                pieces.append(piece)
-                continue
-            group, src = place[0], place[1] + piece.item_offset
-            last = runs[-1] if runs else None
-            if last is not None and (last[0], last[1] + last[3], last[2] + last[3]) == (group, src, piece.chunk_offset):
-                runs[-1] = (group, last[1], last[2], last[3] + piece.length)
-            else:
-                runs.append((group, src, piece.chunk_offset, piece.length))
-        entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
-        return cls(where, entries, zeros, runs, pieces, _dominant_element_size(plan), [None] * len(pieces))
+def copy_program(plan: ChunkPlan, where: Mapping[str, tuple[int, int]]) -> CopyProgram:
+    """How capture copies ``plan``'s pieces: out of the eager stacks ``where`` says, else from their tensors."""
+    zeros: list[tuple[int, int]] = []
+    runs: list[tuple[int, int, int, int]] = []
+    pieces: list[TensorPiece] = []
+    end = 0
+    for piece in plan.pieces:
+        if piece.chunk_offset > end:
+            zeros.append((end, piece.chunk_offset))
+        end = piece.chunk_offset + piece.length
+        place = where.get(piece.item.key)
+        if place is None:
+            pieces.append(piece)
+            continue
+        group, src = place[0], place[1] + piece.item_offset
+        last = runs[-1] if runs else None
+        if last is not None and (last[0], last[1] + last[3], last[2] + last[3]) == (group, src, piece.chunk_offset):
+            runs[-1] = (group, last[1], last[2], last[3] + piece.length)
+        else:
+            runs.append((group, src, piece.chunk_offset, piece.length))
+    entries = [ChunkEntry(p.item.key, p.item_offset, p.length, p.chunk_offset) for p in plan.pieces]
+    return CopyProgram(where, entries, zeros, runs, pieces, _dominant_element_size(plan), [None] * len(pieces))
 
 
 def _dominant_element_size(plan: ChunkPlan) -> int:
