@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -218,3 +220,27 @@ def test_restore_reads_the_bucket_through_the_byte_source(endpoint, bucket, nvme
     tier.store.delete([name])
     with pytest.raises(StoredCheckpoint.COPY_ERRORS):
         StoredCheckpoint(tier.source(5), step=5).read()
+
+
+def _moto_auth(endpoint: str, free_requests: str) -> None:
+    """moto checks credentials after ``free_requests`` more requests ("inf": never, its default);
+    a MinIO server always checks them and has no such switch."""
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth", data=free_requests.encode(), method="POST",
+        headers={"Content-Type": "text/plain"},  # a form body would be parsed away from request.data
+    )
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass
+
+
+def test_wrong_credentials_refused_naming_the_tier(endpoint, bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAIOSFODNN7WRONGKEY")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    _moto_auth(endpoint, "0")
+    try:
+        with pytest.raises(TierError, match=rf"tier bucket: the S3 credentials were refused .* s3://{bucket}"):
+            _tier(endpoint, f"s3://{bucket}/p")
+    finally:
+        _moto_auth(endpoint, "inf")

@@ -116,3 +116,16 @@ def test_cli_push_ls_verify_pull_prune_gc(make_runner, endpoint, bucket, tmp_pat
     assert tier.incomplete_steps() == set()
     missing = _cli(endpoint, "ls", "s3://no-such-bucket-x/p")
     assert missing.returncode == 1 and "bucket 'no-such-bucket-x' does not exist" in missing.stderr
+
+
+def test_a_failed_flush_never_reaches_training_and_is_reported(make_runner, endpoint, bucket):
+    import boto3
+
+    runner = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, f"s3://{bucket}/gone", retries=0))
+    runner.register(model=TensorDictProvider({"w": torch.randn(1000)}))
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").delete_bucket(Bucket=bucket)
+    assert runner.checkpoint(1).result().step == 1  # durable on nvme: the bucket's failure is not the checkpoint's
+    runner.close()
+    (failure,) = runner.flush_failures
+    assert failure.tier == "bucket" and failure.step == 1
+    assert f"bucket '{bucket}' does not exist" in str(failure)
