@@ -199,3 +199,40 @@ def test_each_saves_figures_reach_the_lightning_loggers(tmp_path: Path) -> None:
     for row in saves:
         assert float(row["tierstate/failures"]) == 0 and int(float(row["tierstate/bytes"])) > 0
         assert float(row["tierstate/blocked_s"]) > 0 and float(row["tierstate/durable_s"]) > 0
+
+
+def test_load_from_checkpoint_on_a_pointer_says_what_to_do_and_the_helper_loads_it(tmp_path: Path) -> None:
+    """``LightningModule.load_from_checkpoint`` reads a file with torch.load, which fails on tierstate's JSON
+    pointer with torch's own message: the pointer itself says what to do, and
+    ``tierstate.integrations.lightning.load_from_checkpoint`` loads it (hyperparameters and weights)."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tierstate.integrations.lightning import LOAD_HINT, TierstateCheckpointIO, load_from_checkpoint
+
+    class Sized(L.LightningModule):
+        def __init__(self, width: int = 3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Linear(4, width)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _index: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    config = {"tiers": {"nvme": {"path": str(tmp_path / "tiers")}}}
+    trainer = L.Trainer(
+        max_epochs=1, plugins=[TierstateCheckpointIO(config)], logger=False, enable_progress_bar=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    trained = Sized(width=5)
+    trainer.fit(trained, DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert json.loads(last.read_text())["load"] == LOAD_HINT
+    with pytest.raises(Exception, match="Weights only load failed"):  # torch's own words, on the JSON
+        Sized.load_from_checkpoint(last)
+    loaded = load_from_checkpoint(Sized, last, config)
+    assert loaded.hparams.width == 5 and torch.equal(loaded.net.weight, trained.net.weight)

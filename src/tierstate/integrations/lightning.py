@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import io as io_module
 import json
 import logging
 import os
@@ -63,6 +64,13 @@ log = logging.getLogger("tierstate")
 
 POINTER_KIND = "tierstate lightning checkpoint"
 """The ``kind`` of the JSON pointer file written at each Lightning checkpoint path."""
+LOAD_HINT = (
+    "a pointer to a tierstate checkpoint, not a torch file: load it with "
+    "tierstate.integrations.lightning.load_from_checkpoint(YourModule, this_path, config), or resume with "
+    "Trainer(plugins=[TierstateCheckpointIO(config)]).fit(model, ckpt_path=this_path)"
+)
+"""Written into every pointer: ``torch.load`` (``LightningModule.load_from_checkpoint``) fails on the JSON with
+its own message, and whoever opens the small file to see why reads what to do instead."""
 _POINTER_MAX = 1 << 16  # a pointer is a few hundred bytes; a torch .ckpt is a zip that never parses as JSON
 
 
@@ -188,7 +196,7 @@ class _TierstateIO:
             handle = runner.checkpoint(step)
         finally:
             self.saving, self.covered = {}, frozenset()
-        pointer = {"kind": POINTER_KIND, "step": step, "global_step": checkpoint.get("global_step")}
+        pointer = {"kind": POINTER_KIND, "step": step, "global_step": checkpoint.get("global_step"), "load": LOAD_HINT}
         self._queue(self._publish, handle, Path(path), pointer)
         trainer = _saving_trainer()
         if trainer is not None:
@@ -352,6 +360,31 @@ def _remove(path: Path) -> None:
 
 
 _CLASS: type | None = None
+
+
+def load_from_checkpoint(
+    module_class: Any,
+    path: str | os.PathLike[str],
+    config: str | os.PathLike[str] | Mapping[str, Any] | PipelineConfig | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``module_class.load_from_checkpoint(path, **kwargs)`` for a ``path`` that may be tierstate's pointer.
+
+    Lightning's classmethod reads the file with ``torch.load``, which fails on the JSON pointer with a
+    misleading hint (``weights_only``). A pointer is read here through ``config``'s tiers (the same config
+    the saving plugin had) and handed to Lightning as the checkpoint dict it expects; any other file goes
+    to Lightning as it is."""
+    if read_pointer(path) is None:
+        return module_class.load_from_checkpoint(path, **kwargs)
+    io = _checkpoint_io_class()(config)
+    try:
+        checkpoint = io.load_checkpoint(path, map_location=kwargs.get("map_location"))
+    finally:
+        io.teardown()
+    buffer = io_module.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return module_class.load_from_checkpoint(buffer, **{"weights_only": False, **kwargs})
 
 
 def _checkpoint_io_class() -> type:
