@@ -54,6 +54,7 @@ from .restore import (
     RestoreResult,
     candidate_steps,
     checked_target,
+    lost_entries,
     require_providers,
     unusable,
 )
@@ -115,16 +116,18 @@ class _Holdings:
     steps: dict[str, list[int]]  # by tier name
     roots: dict[str, str]
     unlisted: dict[str, str]  # the tiers this rank could not list, and why (taken as holding nothing)
+    lost: tuple[tuple[int, str], ...] = ()  # step-N entries that are no checkpoint (a lost manifest), and why
 
     @classmethod
     def of(cls, tiers: list[FilesystemTier], which: int | str, fallback: bool) -> _Holdings:
-        steps, unlisted = {}, {}
+        steps, unlisted, lost = {}, {}, []
         for tier in tiers:
             try:
                 steps[tier.name] = tier.steps()
+                lost += lost_entries([tier])
             except OSError as exc:
                 steps[tier.name], unlisted[tier.name] = [], f"{type(exc).__name__}: {exc}"
-        return cls(which, fallback, steps, {t.name: str(t.root) for t in tiers}, unlisted)
+        return cls(which, fallback, steps, {t.name: str(t.root) for t in tiers}, unlisted, tuple(lost))
 
     @property
     def held(self) -> set[int]:
@@ -160,6 +163,14 @@ def _agreed_candidates(holdings: list[_Holdings]) -> tuple[int, list[int], list[
         lacking = [str(rank) for rank, steps in enumerate(held) if step not in steps]
         if lacking:
             problems.append(f"step {step} is not on every rank: rank(s) {', '.join(lacking)} lack it")
+    if which == "latest":  # one rule with one rank (restore.refuse_lost_newer), agreed from the same holdings
+        newer = [f"rank {rank}: {text}" for rank, h in enumerate(holdings) for step, text in h.lost if step > wanted]
+        if newer and not fallback:
+            raise NoCheckpointError(
+                f"cannot restore the latest step: {'; '.join(newer)}; restore(..., fallback=True) takes the newest "
+                f"older step ({wanted}) and reports the one(s) passed over"
+            )
+        problems = newer + problems
     candidates = [step for step in candidate_steps(everyone, wanted, fallback) if step in everyone]
     if not candidates:
         raise NoCheckpointError(f"{unusable(wanted, fallback, problems)} ({by_rank})")

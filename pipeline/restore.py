@@ -82,15 +82,20 @@ def tier_roots(tiers: list[FilesystemTier]) -> str:
     return ", ".join(f"{t.name}={t.root}" for t in tiers)
 
 
-def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = None) -> list[str]:
-    """The ``step-N`` entries from ``oldest`` to ``newest`` (None: any) that are not checkpoints (a
-    lost manifest, a symlink), each naming its tier and why: steps a restore cannot have."""
+def lost_entries(tiers: list[FilesystemTier]) -> list[tuple[int, str]]:
+    """Every ``step-N`` entry that is not a checkpoint (a lost manifest, a symlink): its step, and a text
+    naming its tier and why: steps a restore cannot have."""
     return [
-        f"step {entry.step} on tier {tier.name}: not a checkpoint: {entry}"
+        (entry.step, f"step {entry.step} on tier {tier.name}: not a checkpoint: {entry}")
         for tier in tiers
         for entry in tier.invalid()
-        if entry.named_as_checkpoint and entry.step >= oldest and (newest is None or entry.step <= newest)
+        if entry.named_as_checkpoint
     ]
+
+
+def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = None) -> list[str]:
+    """The texts of :func:`lost_entries` from step ``oldest`` to ``newest`` (None: any)."""
+    return [text for step, text in lost_entries(tiers) if step >= oldest and (newest is None or step <= newest)]
 
 
 def fresh_read(state: dict[str, Any]) -> ReadState:
