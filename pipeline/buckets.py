@@ -7,8 +7,8 @@ gets it by :meth:`tiers.s3tier.S3Tier.upload` (verified in the source, data firs
 with a conditional put), in a thread pool of its own (``flush.workers`` uploads at once, paced to
 ``flush.bandwidth``), then the bucket's ``retention`` is applied to it. Like any flush, a failure
 never reaches the training loop: it is logged and reported by :meth:`BucketFlusher.drain`
-(``runner.close()`` puts it in ``flush_failures``). The source copy is read under its read lock,
-so local retention cannot delete it mid-upload.
+(``runner.close()`` puts it in ``flush_failures``). The source copy is read-locked from its commit
+until its upload ends, so local retention cannot delete it before or while it is uploaded.
 
 Restore: when a run starts on local tiers that lack the step asked for (a new machine, wiped NVMe),
 :meth:`BucketFlusher.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
@@ -18,6 +18,7 @@ of one process (or the leader of a shared persist tier) flushes; a node-scoped p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -72,13 +73,25 @@ class BucketFlusher:
             return
         for bucket in self._buckets:
             if bucket.flush is not None and bucket.pool is not None and bucket.flush.due(step):
-                self._pending.append(bucket.pool.submit(self._flush, bucket, step, source))
+                # Read-locked from now until uploaded: local retention keeps a step someone reads, so the
+                # copy cannot be pruned while its upload waits its turn (a flush tier's copy is pinned alike).
+                held = contextlib.ExitStack()
+                try:
+                    held.enter_context(reading(source.step_dir(step)))
+                except OSError as exc:
+                    self._failed(FlushFailure(step, bucket.tier.name, exc))
+                    continue
+                self._pending.append(bucket.pool.submit(self._flush, bucket, step, source, held))
 
-    def _flush(self, bucket: _Bucket, step: int, source: FilesystemTier) -> None:
+    def _failed(self, failure: FlushFailure) -> None:
+        log.error("%s", failure)
+        self._failures.append(failure)
+
+    def _flush(self, bucket: _Bucket, step: int, source: FilesystemTier, held: contextlib.ExitStack) -> None:
         pacer = bucket.pacer
         try:
-            directory = source.step_dir(step)
-            with reading(directory):
+            with held:
+                directory = source.step_dir(step)
                 bucket.tier.upload(directory, source.manifest(step), pacer.wait if pacer is not None else None)
             steps = bucket.tier.steps()
             for old in steps:
@@ -86,9 +99,7 @@ class BucketFlusher:
                     bucket.tier.delete_step(old)
             log.info("checkpoint step %d flushed to %s", step, bucket.tier.store.where())
         except Exception as exc:  # noqa: BLE001 - a flush never reaches the training loop; reported by drain
-            failure = FlushFailure(step, bucket.tier.name, exc)
-            log.error("%s", failure)
-            self._failures.append(failure)
+            self._failed(FlushFailure(step, bucket.tier.name, exc))
 
     def fetch(self, which: int | str, target: FilesystemTier, local: set[int]) -> int | None:
         """Copy step ``which`` (or, for ``"latest"``, the newest step in a bucket newer than every step

@@ -29,11 +29,11 @@ bucket = s3server.bucket
 MiB = 1 << 20
 
 
-def _bucket_tier(endpoint: str, url: str, **flush) -> dict:
+def _bucket_tier(endpoint: str, url: str, retention: dict | None = None, **flush) -> dict:
     return {
         "tiers.bucket": {
             "kind": "s3", "url": url, "endpoint_url": endpoint, "region": "us-east-1",
-            "flush": {"every": 1, "workers": 2, **flush}, "retention": {"keep_last": 2},
+            "flush": {"every": 1, "workers": 2, **flush}, "retention": retention or {"keep_last": 2},
         }
     }
 
@@ -129,3 +129,18 @@ def test_a_failed_flush_never_reaches_training_and_is_reported(make_runner, endp
     (failure,) = runner.flush_failures
     assert failure.tier == "bucket" and failure.step == 1
     assert f"bucket '{bucket}' does not exist" in str(failure)
+
+
+def test_local_retention_keeps_a_step_until_its_paced_upload_is_done(make_runner, endpoint, bucket, tmp_path):
+    url = f"s3://{bucket}/paced"
+    settings = _bucket_tier(endpoint, url, retention={"keep_every": 1}, workers=1, bandwidth="8MB")
+    runner = make_runner(chunk_size="1MiB", **settings, **{"tiers.nvme.retention": {"keep_last": 1}})
+    runner.register(model=TensorDictProvider({"w": torch.randn(MiB)}))  # 4 MiB: half a second each at 8 MB/s
+    for step in (1, 2, 3):
+        runner.checkpoint(step).result()  # steps 1 and 2 wait for their upload while newer ones commit
+    runner.close()
+    assert runner.flush_failures == []
+    assert S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint)).steps() == [1, 2, 3]
+    # Held past keep_last while queued for the bucket (without the hold, step 2, queued behind step 1's
+    # half-second upload, is pruned when step 3 commits and its flush fails); the next prune takes them.
+    assert FilesystemTier("nvme", tmp_path / "nvme").steps() == [1, 2, 3]
