@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..tiers.format import Manifest, RankStatsRecord, read_manifest
+from ..tiers.format import Manifest, RankStatsRecord
+from ..tiers.stored import StoredCheckpoint
 from .tables import columns
 
 _COLUMNS = ("stage", "units", "passed", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
@@ -64,6 +65,6 @@ def _gbps(nbytes: int, seconds: float) -> str:
 
 def show_stats(directory: Path, as_json: bool) -> int:
     """Print what the checkpoint in ``directory`` cost; exit code 0 (ManifestError if it is no checkpoint)."""
-    manifest = read_manifest(directory)
+    manifest = StoredCheckpoint(directory).manifest
     print(json.dumps(stats_document(manifest), indent=1) if as_json else "\n".join(stats_lines(manifest)))
     return 0
