@@ -20,6 +20,7 @@ runner's loop thread (or on the trainer's, for a checkpoint that never reached t
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,9 +32,10 @@ from typing import Any, TypeVar
 from tierstate.errors import TierstateError
 
 from .laziness import EagerSnapshot
-from .metrics import CheckpointStats
+from .metrics import CheckpointStats, Outcome
 
 T = TypeVar("T")
+log = logging.getLogger("tierstate")
 
 
 class CheckpointFailed(TierstateError, RuntimeError):
@@ -49,6 +51,11 @@ class CheckpointResult:
     stored_bytes: int
     capture_s: float
     durable_s: float
+
+    @classmethod
+    def of(cls, step: int, tier: str, path: Path, stats: CheckpointStats) -> CheckpointResult:
+        """The result of a checkpoint committed at ``path`` on ``tier``, from its stats."""
+        return cls(step, tier, path, stats.raw_bytes, stats.stored_bytes, stats.capture_s, stats.durable_s)
 
 
 def _running_future() -> concurrent.futures.Future[Any]:
@@ -183,11 +190,16 @@ class HandleCompleter:
     """The write side of one :class:`CheckpointHandle`: what the runner and its flusher report through.
 
     Each outcome resolves its futures once; the attributes a waiter reads (``error``, ``skipped``,
-    ``flush_errors``) are set before the future that wakes it.
+    ``flush_errors``) are set before the future that wakes it. The outcome of the checkpoint itself
+    (durable, failed, skipped) also writes the one log record of that checkpoint and is counted
+    (``count``: the runner's ``metrics()``) before the handle resolves, so whoever it wakes sees both.
     """
 
-    def __init__(self, step: int, tiers: Iterable[str]) -> None:
+    def __init__(
+        self, step: int, tiers: Iterable[str], count: Callable[[CheckpointStats], None] | None = None
+    ) -> None:
         """``tiers``: where the checkpoint is due, the persist tier first."""
+        self._count = count
         self._capture: concurrent.futures.Future[None] = _running_future()
         self._durable: concurrent.futures.Future[CheckpointResult] = _running_future()
         self._tiers: dict[str, concurrent.futures.Future[Path]] = {name: _running_future() for name in tiers}
@@ -238,6 +250,12 @@ class HandleCompleter:
 
     def durable(self, result: CheckpointResult) -> None:
         """Committed on ``result.tier``, the persist tier."""
+        stats = self.handle.stats
+        self._record(
+            "durable",
+            "checkpoint step %d durable on %s: %d bytes in %.3f s (%.2f GB/s), trainer blocked %.1f ms",
+            self.step, result.tier, stats.raw_bytes, stats.durable_s, stats.gbps, stats.blocked_s * 1e3,
+        )  # fmt: skip
         _settle(self._tiers[result.tier], result.path)
         _settle(self._capture, None)
         _settle(self._durable, result)
@@ -250,16 +268,38 @@ class HandleCompleter:
         self.handle.flush_errors[tier] = error
         _fail(self._tiers[tier], error)
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, error: BaseException, describing: bool = False) -> None:
+        """Failed: ``describing``, on the trainer's thread while the state was listed; else in the pipeline."""
+        if describing:
+            message = "checkpoint step %d failed while describing state: %s"
+            self._record("failed", message, self.step, error, error=error)
+        else:
+            failure = f"{type(error).__name__}: {error}"
+            self._record("failed", "checkpoint step %d failed: %s", self.step, failure, error=error)
         self.handle.error = error
         failure = CheckpointFailed(f"checkpoint step {self.step} failed: {error}")
         failure.__cause__ = error
         self._fail_all(failure)
 
-    def skipped(self) -> None:
+    def skipped(self, previous: int) -> None:
+        """Not taken: step ``previous`` was still in flight (``policies.in_flight: skip``)."""
+        self._record("skipped", "checkpoint step %d skipped: step %d still in flight", self.step, previous)
         self.handle.skipped = True
         reason = f"checkpoint step {self.step} was skipped: the previous one was still in flight"
         self._fail_all(CheckpointFailed(reason))
+
+    def _record(self, outcome: Outcome, message: str, *args: object, error: BaseException | None = None) -> None:
+        """The one log record of this checkpoint, its stats attached as ``record.tierstate`` (with ``error``
+        for a failed one), and its count."""
+        stats = self.handle.stats
+        stats.outcome = outcome
+        if self._count is not None:
+            self._count(stats)
+        record = stats.as_dict()
+        if error is not None:
+            record["error"] = f"{type(error).__name__}: {error}"
+        level = {"durable": logging.INFO, "skipped": logging.WARNING}.get(outcome, logging.ERROR)
+        log.log(level, message, *args, extra={"tierstate": record})
 
     def _fail_all(self, failure: CheckpointFailed) -> None:
         for future in (*self._tiers.values(), self._capture, self._durable):

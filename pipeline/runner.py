@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,15 +46,15 @@ from .flush import Flusher, FlushFailure, FlushRole
 from .fresh import start_fresh
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
 from .job import CheckpointJob, JobContext
-from .laziness import CaptureRules, VersionWatch, changed_keys, fingerprints, release_copies, unwrap_optimizer
-from .metrics import CheckpointStats, Outcome, RunMetrics
+from .laziness import CaptureRules, release_copies, unwrap_optimizer
+from .metrics import CheckpointStats, RunMetrics
 from .peers import PeerLink
-from .plan import CheckpointPlan, plan_checkpoint
-from .plan_cache import PlanCache, Resolve
+from .plan_cache import PlanCache
 from .registration import provider_for
+from .request import Request, prepare
 from .restore import RestoreResult, nearest_first, restore_into
 from .room import Room
-from .stages.capture import SlabCopier, record_ready_event
+from .stages.capture import SlabCopier
 from .tierpaths import check_tier_paths
 
 log = logging.getLogger("tierstate")
@@ -62,10 +62,6 @@ log = logging.getLogger("tierstate")
 
 class RunnerClosedError(TierstateError, RuntimeError):
     """A checkpoint was requested from a runner that is closed, or that a forked child inherited."""
-
-
-class CaptureChangedError(TierstateError, RuntimeError):
-    """``policies.check_capture`` saw a lazily captured tensor change before its copy; names the keys."""
 
 
 class NothingRegisteredError(TierstateError, RuntimeError):
@@ -262,68 +258,55 @@ class Runner:
             raise NothingRegisteredError(
                 f"checkpoint step {step}: nothing is registered; call runner.register(model=model, optim=opt) first"
             )
-        completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)])
+        completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)], self._count)
         handle = completer.handle
         with self._lock:
             previous = self._inflight
             if previous is not None and not previous.handle.done():
                 if self.config.policies.in_flight == "skip":
                     completer.blocked(time.perf_counter() - started)
-                    message = "checkpoint step %d skipped: step %d still in flight"
-                    self._report(completer, "skipped", message, step, previous.step)
-                    completer.skipped()
+                    completer.skipped(previous.step)
                     return handle
                 previous.handle.wait()
-            declined = None
-            sources = None
-            plan: CheckpointPlan | Resolve
+            check = self.config.policies.check_capture
+            leaves, describe = self.providers.leaves(), self.providers.describe
             try:
-                check = self.config.policies.check_capture  # fingerprints every lazy tensor now: nothing deferred
-                prepared = self._plans.prepare(self.providers.leaves(), self._rules, defer=not check)
-                if prepared is not None:  # a reused plan, eager tensors copied in batches (plan_cache.py)
-                    snapshot, copies, sources = prepared.snapshot, prepared.copies, prepared.sources
-                    plan, described = prepared.resolve, prepared.described  # a reused plan's are on the CPU
-                    watch = prepared.watch()
-                else:
-                    plan = plan_checkpoint(self.providers.describe(), self.cache.slab_size)
-                    # Tensors that may change before their lazy copy are copied now (laziness.py).
-                    snapshot, copies = self._rules.snapshot_eager(plan.tensors)
-                    described = plan.tensors
-                    watch = VersionWatch(VersionWatch.declared(plan.tensors))
-                completer.snapshotted(snapshot)
-                on_captured = completer.captured
-                if check:
-                    on_captured = self._capture_check(plan.known() if isinstance(plan, Resolve) else plan, completer)
-                on_captured = _tripwire(watch, step, on_captured)
-                ready = record_ready_event([item.tensor for item in described])
+                request = prepare(step, leaves, describe, self._plans, self._rules, check, completer.captured)
+                completer.snapshotted(request.snapshot)
             except Exception as exc:  # a provider bug must not stop training
                 if self._group is None:
                     completer.blocked(time.perf_counter() - started)
-                    message = "checkpoint step %d failed while describing state: %s"
-                    self._report(completer, "failed", message, step, exc, error=exc)
-                    completer.failed(exc)
+                    completer.failed(exc, describing=True)
                     return handle
                 log.error("checkpoint step %d failed while describing state: %s", step, exc)
-                # The other ranks are opening this step: this one must take part, to decline it.
-                declined, plan, ready, on_captured = exc, plan_checkpoint([], self.cache.slab_size), None, None
-                copies = []
+                request = Request.declining(exc, self.cache.slab_size, completer.captured)
             self._inflight = completer
-            slab = self.cache.slab_size
-            node_scoped = self.config.tiers[self.config.persist_tier].scope == "node"
-            commit = (
-                DistributedCommit(self._group, self.durable_tier, slab, declined, node_scoped)
-                if self._group is not None
-                else None
-            )
-            ctx = JobContext(
-                self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit,
-                self._room,
+            job = CheckpointJob(
+                self._job_context(request.declined), step, request.plan, request.ready, request.on_captured,
+                handle.stats, request.sources,
             )  # fmt: skip
-            job = CheckpointJob(ctx, step, plan, ready, on_captured or completer.captured, handle.stats, sources)
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)
-            asyncio.run_coroutine_threadsafe(self._run(job, completer, copies), self._loop)
+            asyncio.run_coroutine_threadsafe(self._run(job, completer, request.copies), self._loop)
         return handle
+
+    def _job_context(self, declined: BaseException | None) -> JobContext:
+        """What a job borrows; with many ranks, the commit among them (``declined``: this rank gives the step up)."""
+        node_scoped = self.config.tiers[self.config.persist_tier].scope == "node"
+        commit = (
+            DistributedCommit(self._group, self.durable_tier, self.cache.slab_size, declined, node_scoped)
+            if self._group is not None
+            else None
+        )
+        return JobContext(
+            self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit,
+            self._room,
+        )  # fmt: skip
+
+    def _count(self, stats: CheckpointStats) -> None:
+        """A finished checkpoint into ``metrics()`` (from the trainer's thread or the loop's)."""
+        with self._metrics_lock:
+            self._metrics.add(stats)
 
     def _refuse_existing(self, step: int) -> None:
         """A step the persist tier holds already fails at the call (CheckpointExistsError), not later on its
@@ -347,26 +330,6 @@ class Runner:
             held = set.intersection(*(set(steps) for steps in every))
         return max(held, default=None)
 
-    def _capture_check(self, plan: CheckpointPlan, completer: HandleCompleter) -> Callable[[], None]:
-        """``policies.check_capture``: hash the lazily captured tensors now, and again once they are all
-        copied but before the optimizer may step; a difference fails the checkpoint, naming the keys."""
-        covered = self._rules.covered()
-        lazy = [item for item in plan.tensors if self._rules.lazy(item, covered)]
-        before = fingerprints(lazy)
-
-        def check_then_release() -> None:
-            changed = changed_keys(before, lazy)
-            if changed:
-                shown = ", ".join(changed[:8]) + (" ..." if len(changed) > 8 else "")
-                raise CaptureChangedError(
-                    f"checkpoint step {completer.step}: {len(changed)} lazily captured tensor(s) changed between "
-                    f"the request and their copy: {shown}; declare them changes='any' or call "
-                    "runner.wait_captured() before changing them"
-                )
-            completer.captured()
-
-        return check_then_release
-
     async def acheckpoint(self, step: int) -> CheckpointResult:
         """For async trainers: request a checkpoint and await its durability; raises CheckpointFailed.
 
@@ -384,59 +347,18 @@ class Runner:
             path = await job.run()
         except BaseException as exc:  # report, never raise into training
             release_copies(copies)
-            error = _first_leaf(exc)
             self.history.append((completer.handle, job.stats))
-            failure = f"{type(error).__name__}: {error}"
-            self._report(completer, "failed", "checkpoint step %d failed: %s", job.step, failure, error=error)
-            completer.failed(error)
+            completer.failed(_first_leaf(exc))
             if not isinstance(exc, Exception):
                 raise
             return
         release_copies(copies)
         self.history.append((completer.handle, job.stats))
-        stats = job.stats
-        self._report(
-            completer,
-            "durable",
-            "checkpoint step %d durable on %s: %d bytes in %.3f s (%.2f GB/s), trainer blocked %.1f ms",
-            job.step, self.durable_tier.name, stats.raw_bytes, stats.durable_s, stats.gbps, stats.blocked_s * 1e3,
-        )
-        completer.durable(
-            CheckpointResult(
-                step=job.step,
-                tier=self.durable_tier.name,
-                path=path,
-                raw_bytes=job.stats.raw_bytes,
-                stored_bytes=job.stats.stored_bytes,
-                capture_s=job.stats.capture_s,
-                durable_s=job.stats.durable_s,
-            )
-        )
+        completer.durable(CheckpointResult.of(job.step, self.durable_tier.name, path, job.stats))
         self._flusher.committed(completer)
         self._buckets.committed(job.step, self.durable_tier)
         if self._peers is not None:
             self._peers.committed(completer)
-
-    def _report(
-        self,
-        completer: HandleCompleter,
-        outcome: Outcome,
-        message: str,
-        *args: object,
-        error: BaseException | None = None,
-    ) -> None:
-        """The one log record of a finished checkpoint, its stats attached as ``record.tierstate``
-        (with ``error`` for a failed one); counted in ``metrics()``. Called before the handle
-        resolves, so whoever it wakes sees both."""
-        stats = completer.handle.stats
-        stats.outcome = outcome
-        with self._metrics_lock:
-            self._metrics.add(stats)
-        record = stats.as_dict()
-        if error is not None:
-            record["error"] = f"{type(error).__name__}: {error}"
-        level = {"durable": logging.INFO, "skipped": logging.WARNING}.get(outcome, logging.ERROR)
-        log.log(level, message, *args, extra={"tierstate": record})
 
     def metrics(self) -> RunMetrics:
         """A summary of every checkpoint requested so far: counts by outcome, bytes, seconds and
@@ -532,24 +454,6 @@ class Runner:
     def steps(self) -> dict[str, list[int]]:
         """Committed steps per tier."""
         return {tier.name: tier.steps() for tier in self.tiers}
-
-
-def _tripwire(watch: VersionWatch, step: int, then: Callable[[], None]) -> Callable[[], None]:
-    """``then``, once capture is done, unless a declared-lazy tensor was changed in place since the
-    request (laziness.VersionWatch): that checkpoint fails naming the keys, before it is committed."""
-
-    def check_then() -> None:
-        moved = watch.moved()
-        if moved:
-            shown = ", ".join(moved[:8]) + (" ..." if len(moved) > 8 else "")
-            raise CaptureChangedError(
-                f"checkpoint step {step}: {len(moved)} tensor(s) declared changes='never' or 'guarded' were "
-                f"changed in place between the request and their copy: {shown}; declare them changes='any' "
-                "(ModuleProvider(frozen='any') for frozen parameters) or call runner.wait_captured() first"
-            )
-        then()
-
-    return check_then
 
 
 async def _settled(handle: CheckpointHandle) -> None:
