@@ -35,7 +35,6 @@ plan, clone per tensor) in the runner.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,13 +43,12 @@ import torch
 from tierstate.errors import TierstateError
 
 from ..providers.base import Batched, DeferredListing, StateProvider
-from ..providers.dtensor import is_dtensor, storage_of
-from ..providers.items import Item, ObjectItem, TensorBatch, TensorItem
+from ..providers.dtensor import is_dtensor
+from ..providers.items import Item, TensorBatch, TensorItem
 from .laziness import CaptureRules, EagerSnapshot, VersionWatch
+from .listing import FORM, as_described, same_batches
 from .plan import CheckpointPlan, plan_checkpoint, tensor_layout
 from .units import ChunkPlan, EagerSources
-
-_FORM = operator.attrgetter("dtype", "shape", "device")  # what a plan fixes of a tensor
 
 
 class PlanChangedError(TierstateError, RuntimeError):
@@ -114,7 +112,7 @@ class Entry:
 
     def __post_init__(self) -> None:
         self.tensors = [item.tensor for item in self.plan.tensors]
-        self.forms = list(map(_FORM, self.tensors))
+        self.forms = list(map(FORM, self.tensors))
         self.declared = VersionWatch.declared(self.plan.tensors)
 
     def matches(self, batches: dict[str, TensorBatch], covered: frozenset[int]) -> bool:
@@ -131,10 +129,10 @@ class Entry:
 
     def check_forms(self) -> None:
         """In the background, before capture: every planned tensor still has its planned dtype, shape and device."""
-        if list(map(_FORM, self.tensors)) == self.forms:  # a C loop: ~0.2 s less for 10^5 tensors
+        if list(map(FORM, self.tensors)) == self.forms:  # a C loop: ~0.2 s less for 10^5 tensors
             return
         for tensor, form in zip(self.tensors, self.forms, strict=True):
-            if _FORM(tensor) != form:
+            if FORM(tensor) != form:
                 self.invalid = True
                 dtype, shape, device = form
                 raise PlanChangedError(
@@ -142,24 +140,6 @@ class Entry:
                     f"{list(tensor.shape)} on {tensor.device}: it was changed in place (t.data = ..., resize_) "
                     "while this checkpoint was taken; the next checkpoint plans afresh"
                 )
-
-
-def same_batches(new: dict[str, TensorBatch], old: dict[str, TensorBatch]) -> bool:
-    """Whether ``new`` lists the very tensor objects of ``old``, under the same keys and ``changes``."""
-    if new.keys() != old.keys():
-        return False
-    for path, batch in new.items():
-        was = old[path]
-        if batch.tensors is was.tensors and batch.keys is was.keys and batch.changes is was.changes:
-            continue  # the very listing (a deferred optimizer's, a module's unchanged): no object to touch
-        if (
-            batch.changes != was.changes
-            or len(batch.tensors) != len(was.tensors)
-            or batch.keys != was.keys
-            or not all(map(operator.is_, batch.tensors, was.tensors))
-        ):
-            return False
-    return True
 
 
 class PlanCache:
@@ -374,7 +354,7 @@ def _build(
     items: list[TensorItem] = []
     for path, batch in batches.items():
         described = leaves[path].describe()
-        planned = _as_described(batch, described, f"{path}/")
+        planned = as_described(batch, described, f"{path}/")
         if planned is None:
             return None
         items += planned
@@ -407,57 +387,6 @@ def _reusable_plan(items: list[TensorItem], chunk_size: int) -> CheckpointPlan |
         return None
     plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}
     return plan
-
-
-def _as_described(batch: TensorBatch, described: list[Item], prefix: str) -> list[TensorItem] | None:
-    """The batch's tensors as ``describe()`` describes them (shard, replication, ``changes``), each holding the
-    batch's own object, keyed after ``prefix``; None unless ``describe()`` gives exactly the batch's items and
-    ``others``, alike."""
-    by_key = {item.key: item for item in described}
-    others = {item.key: item for item in batch.others}
-    if len(by_key) != len(described) or len(others) + len(batch.keys) != len(by_key):
-        return None
-    if by_key.keys() != {*batch.keys, *others}:
-        return None
-    items = []
-    for index, (key, tensor) in enumerate(zip(batch.keys, batch.tensors, strict=True)):
-        item = by_key[key]
-        if not isinstance(item, TensorItem) or item.changes != batch.changes_of(index):
-            return None
-        if not _same_view(item.tensor, tensor):
-            return None
-        item.key, item.tensor = prefix + key, tensor  # describe()'s own item, already checked: reused
-        items.append(item)
-    if not all(_alike(by_key[key], other) for key, other in others.items()):
-        return None
-    return items
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` and ``b`` are one object, or plain tensors viewing the same memory alike (a detached alias)."""
-    if a is b:
-        return True
-    if is_dtensor(a) or is_dtensor(b):
-        return False
-    return (
-        _FORM(a) == _FORM(b)
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-        and storage_of(a) == storage_of(b)
-    )
-
-
-def _alike(described: Item, listed: Item) -> bool:
-    """Whether an item listed afresh with a batch is what ``describe()`` gave (same kind, options and value)."""
-    if isinstance(described, TensorItem) and isinstance(listed, TensorItem):
-        return _same_view(described.tensor, listed.tensor) and described.changes == listed.changes
-    if isinstance(described, ObjectItem) and isinstance(listed, ObjectItem):
-        try:
-            same = bool(described.value == listed.value)
-        except Exception:  # a value whose comparison fails or is not a truth value: not known to be alike
-            return False
-        return same and (described.serializer, described.replicated) == (listed.serializer, listed.replicated)
-    return False
 
 
 def _combine(first: CheckpointPlan, second: CheckpointPlan) -> CheckpointPlan:

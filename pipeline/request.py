@@ -10,6 +10,8 @@ Everything else happens in the background (job.py).
 
 from __future__ import annotations
 
+import numbers
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +21,8 @@ from tierstate.errors import TierstateError
 
 from ..providers.base import StateProvider, shown
 from ..providers.items import TensorItem
+from ..tiers.filesystem import CheckpointExistsError, FilesystemTier
+from ..tiers.format import MAX_BYTES
 from .laziness import CaptureRules, EagerSnapshot, VersionWatch, changed_keys, fingerprints
 from .plan import CheckpointPlan, plan_checkpoint
 from .plan_cache import PlanCache, Resolve
@@ -28,6 +32,44 @@ from .units import EagerSources
 
 class CaptureChangedError(TierstateError, RuntimeError):
     """``policies.check_capture`` saw a lazily captured tensor change before its copy; names the keys."""
+
+
+class NothingRegisteredError(TierstateError, RuntimeError):
+    """A checkpoint was requested before anything was registered: it would hold nothing to restore."""
+
+
+class InvalidStepError(TierstateError, ValueError):
+    """A checkpoint step that is not a whole number from 0 to 2**50."""
+
+
+def _whole_step(step: object) -> int:
+    """``step`` as an int; InvalidStepError saying what was given instead (a tensor, -1, 1.5, True)."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and 0 <= int(step) <= MAX_BYTES:
+        return int(step)
+    if isinstance(step, torch.Tensor):
+        raise InvalidStepError(f"checkpoint step must be an int, got a tensor ({step!r}); pass int(step)")
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        raise InvalidStepError(f"checkpoint step must be from 0 to 2**50, got {int(step)}")
+    raise InvalidStepError(f"checkpoint step must be an int from 0 to 2**50, got {type(step).__name__} {step!r}")
+
+
+def checked_step(step: object, tier: FilesystemTier, many_ranks: bool, registered: bool) -> int:
+    """``step`` as an int, or the error raised at the call, before anything is written: a step that is not a
+    whole number from 0 to 2**50 (InvalidStepError), one the persist ``tier`` holds already
+    (CheckpointExistsError), nothing ``registered`` (NothingRegisteredError)."""
+    step = _whole_step(step)
+    # Decided from what every rank sees alike: one process, or a persist tier all ranks share (on node-scoped
+    # tiers nodes may differ, and the commit refuses it collectively instead).
+    if (not many_ranks or tier.scope == "shared") and os.path.lexists(tier.step_dir(step)):
+        raise CheckpointExistsError(
+            f"checkpoint step {step}: tier {tier.name} holds step {step} already ({tier.step_dir(step)}); "
+            "checkpoint another step, or runner.start_fresh(set_aside=True) to begin a new run"
+        )
+    if not registered:
+        raise NothingRegisteredError(
+            f"checkpoint step {step}: nothing is registered; call runner.register(model=model, optim=opt) first"
+        )
+    return step
 
 
 @dataclass

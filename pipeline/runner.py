@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import numbers
 import os
 import threading
 import time
@@ -35,8 +34,7 @@ from tierstate.errors import TierstateError
 from ..providers.base import OwnsOptimizer
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..tiers.filesystem import CheckpointExistsError, FilesystemTier
-from ..tiers.format import MAX_BYTES
+from ..tiers.filesystem import FilesystemTier
 from ..tiers.hostcache import HostCache
 from .buckets import BucketFlusher
 from .config import PipelineConfig, load_config, parse_config
@@ -51,7 +49,7 @@ from .metrics import CheckpointStats, RunMetrics
 from .peers import PeerLink
 from .plan_cache import PlanCache
 from .registration import provider_for
-from .request import Request, prepare
+from .request import Request, checked_step, prepare
 from .restore import RestoreResult, nearest_first, restore_into
 from .room import Room
 from .stages.capture import SlabCopier
@@ -62,25 +60,6 @@ log = logging.getLogger("tierstate")
 
 class RunnerClosedError(TierstateError, RuntimeError):
     """A checkpoint was requested from a runner that is closed, or that a forked child inherited."""
-
-
-class NothingRegisteredError(TierstateError, RuntimeError):
-    """A checkpoint was requested before anything was registered: it would hold nothing to restore."""
-
-
-class InvalidStepError(TierstateError, ValueError):
-    """A checkpoint step that is not a whole number from 0 to 2**50."""
-
-
-def _checked_step(step: object) -> int:
-    """``step`` as an int; InvalidStepError saying what was given instead (a tensor, -1, 1.5, True)."""
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and 0 <= int(step) <= MAX_BYTES:
-        return int(step)
-    if isinstance(step, torch.Tensor):
-        raise InvalidStepError(f"checkpoint step must be an int, got a tensor ({step!r}); pass int(step)")
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-        raise InvalidStepError(f"checkpoint step must be from 0 to 2**50, got {int(step)}")
-    raise InvalidStepError(f"checkpoint step must be an int from 0 to 2**50, got {type(step).__name__} {step!r}")
 
 
 def _first_leaf(error: BaseException) -> BaseException:
@@ -252,12 +231,7 @@ class Runner:
         started = time.perf_counter()
         if self._closed:
             raise RunnerClosedError(self._closed_reason())
-        step = _checked_step(step)
-        self._refuse_existing(step)
-        if not self.providers.children:
-            raise NothingRegisteredError(
-                f"checkpoint step {step}: nothing is registered; call runner.register(model=model, optim=opt) first"
-            )
+        step = checked_step(step, self.durable_tier, self._group is not None, bool(self.providers.children))
         completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)], self._count)
         handle = completer.handle
         with self._lock:
@@ -307,19 +281,6 @@ class Runner:
         """A finished checkpoint into ``metrics()`` (from the trainer's thread or the loop's)."""
         with self._metrics_lock:
             self._metrics.add(stats)
-
-    def _refuse_existing(self, step: int) -> None:
-        """A step the persist tier holds already fails at the call (CheckpointExistsError), not later on its
-        handle. Decided from what every rank sees alike: one process, or a persist tier all ranks share
-        (on node-scoped tiers nodes may differ, and the commit refuses it collectively instead)."""
-        tier = self.durable_tier
-        if self._group is not None and tier.scope != "shared":
-            return
-        if os.path.lexists(tier.step_dir(step)):
-            raise CheckpointExistsError(
-                f"checkpoint step {step}: tier {tier.name} holds step {step} already ({tier.step_dir(step)}); "
-                "checkpoint another step, or runner.start_fresh(set_aside=True) to begin a new run"
-            )
 
     def latest_step(self) -> int | None:
         """The step ``restore("latest")`` would take: the newest every rank holds on some tier; None on a

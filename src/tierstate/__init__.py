@@ -24,14 +24,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.pipeline.laziness import AttachError
     from tierstate.pipeline.metrics import CheckpointStats, RunMetrics
     from tierstate.pipeline.registration import RegistrationError
-    from tierstate.pipeline.request import CaptureChangedError
+    from tierstate.pipeline.request import CaptureChangedError, InvalidStepError, NothingRegisteredError
     from tierstate.pipeline.restore import NoCheckpointError, NothingToRestoreError, RestoreResult
-    from tierstate.pipeline.runner import (
-        InvalidStepError,
-        NothingRegisteredError,
-        Runner,
-        RunnerClosedError,
-    )
+    from tierstate.pipeline.runner import Runner, RunnerClosedError
     from tierstate.providers import (
         ChildRestoreError,
         CompositeProvider,
@@ -73,8 +68,8 @@ _HOMES = {
     "tierstate.pipeline.metrics": ("CheckpointStats", "RunMetrics"),
     "tierstate.pipeline.registration": ("RegistrationError",),
     "tierstate.pipeline.restore": ("NoCheckpointError", "NothingToRestoreError", "RestoreResult"),
-    "tierstate.pipeline.request": ("CaptureChangedError",),
-    "tierstate.pipeline.runner": ("InvalidStepError", "NothingRegisteredError", "Runner", "RunnerClosedError"),
+    "tierstate.pipeline.request": ("CaptureChangedError", "InvalidStepError", "NothingRegisteredError"),
+    "tierstate.pipeline.runner": ("Runner", "RunnerClosedError"),
     "tierstate.providers": (
         "ChildRestoreError", "CompositeProvider", "MetaBufferError", "ModuleProvider", "ObjectItem", "ObjectProvider",
         "OptimizerProvider", "ProviderNameError", "RestoreError", "RNGProvider", "ShardInfo", "StatefulProvider",

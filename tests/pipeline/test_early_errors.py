@@ -15,7 +15,8 @@ import torch
 
 from tierstate import TierstateError
 from tierstate.pipeline.laziness import AttachError
-from tierstate.pipeline.runner import InvalidStepError, NothingRegisteredError, Runner
+from tierstate.pipeline.request import InvalidStepError, NothingRegisteredError
+from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import TierError
 
