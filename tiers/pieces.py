@@ -21,12 +21,13 @@ format conversion) reads through :func:`read_pieces` into a :class:`ByteBuffers`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from pathlib import Path
@@ -364,19 +365,21 @@ def read_pieces(
         for piece in pieces:
             by_frame[(piece.file, piece.frame)].append((key, piece))
     source = as_source(location)
-    if isinstance(source, DirectorySource):
-        _read_from_directory(source.directory, manifest, by_frame, dest, workers)
-    else:
+    with contextlib.ExitStack() as opened:
+        if isinstance(source, DirectorySource):  # file descriptors: scatter reads, holes checked
+            fds = opened.enter_context(_opened(source.directory, {file for file, _ in by_frame}))
+
+            def read(file: str, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], where: str) -> None:
+                _read_frame(fds[file], frame, pieces, dest, where)
+        else:
+
+            def read(file: str, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], where: str) -> None:
+                _read_frame_from(source, file, frame, pieces, dest, where)
+
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tierstate-read") as pool:
             futures = [
                 pool.submit(
-                    _read_frame_from,
-                    source,
-                    file,
-                    manifest.files[file].frames[frame],
-                    pieces,
-                    dest,
-                    f"{source.where}/{file} frame {frame}",
+                    read, file, manifest.files[file].frames[frame], pieces, f"{source.where}/{file} frame {frame}"
                 )
                 for (file, frame), pieces in sorted(by_frame.items())
             ]
@@ -385,36 +388,19 @@ def read_pieces(
     return sum(manifest.files[file].frames[frame].length for file, frame in by_frame)
 
 
-def _read_from_directory(
-    directory: Path,
-    manifest: Manifest,
-    by_frame: Mapping[tuple[str, int], list[tuple[Hashable, Piece]]],
-    dest: PieceDestination,
-    workers: int,
-) -> None:
+@contextlib.contextmanager
+def _opened(directory: Path, names: set[str]) -> Iterator[dict[str, int]]:
+    """A read descriptor of each file in ``names``, closed afterwards; a missing one is a corrupt checkpoint."""
     fds: dict[str, int] = {}
     try:
-        for name in {file for file, _ in by_frame}:
+        for name in names:
             try:
                 fds[name] = open_read(directory / name)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{directory / name}: data file missing") from None
             except OSError as exc:
                 raise _unreadable(exc, str(directory / name)) from None
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tierstate-read") as pool:
-            futures = [
-                pool.submit(
-                    _read_frame,
-                    fds[file],
-                    manifest.files[file].frames[frame],
-                    pieces,
-                    dest,
-                    f"{directory / file} frame {frame}",
-                )
-                for (file, frame), pieces in sorted(by_frame.items())
-            ]
-            for future in futures:
-                future.result()
+        yield fds
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -56,6 +56,16 @@ def _saved(make_runner) -> Path:  # noqa: ANN001
     return runner.checkpoint(5).result().path
 
 
+def _flip_a_byte_of_frame_0(source: DictSource) -> str:
+    """Damage one byte inside the first frame of the data file (not its padding); the file's name."""
+    data_file = next(name for name in source.names() if name.endswith(".data"))
+    frame = StoredCheckpoint(source).manifest.files[data_file].frames[0]
+    raw = bytearray(source.objects[data_file])
+    raw[frame.offset + frame.length // 2] ^= 0xFF
+    source.objects[data_file] = bytes(raw)
+    return data_file
+
+
 def _in_memory(directory: Path) -> DictSource:
     source = DirectorySource(directory)
     return DictSource({name: source.read_small(name) for name in source.names()})
@@ -79,10 +89,7 @@ def test_a_source_that_is_no_directory_reads_the_same_values(make_runner) -> Non
 
 def test_a_flipped_byte_in_a_source_object_is_a_checksum_error_naming_it(make_runner) -> None:  # noqa: ANN001
     source = _in_memory(_saved(make_runner))
-    data_file = next(name for name in source.names() if name.endswith(".data"))
-    raw = bytearray(source.objects[data_file])
-    raw[10] ^= 0xFF
-    source.objects[data_file] = bytes(raw)
+    data_file = _flip_a_byte_of_frame_0(source)
     with pytest.raises(CorruptCheckpointError, match=f"mem://checkpoint/{data_file} frame 0: checksum mismatch"):
         StoredCheckpoint(source).read()
 
@@ -119,11 +126,8 @@ def test_verify_names_the_bad_frame_in_a_directory_and_in_another_source_alike(m
     assert StoredCheckpoint(directory).verify() == []
     source = _in_memory(directory)
     assert StoredCheckpoint(source).verify() == []
-    data_file = next(name for name in source.names() if name.endswith(".data"))
-    raw = bytearray(source.objects[data_file])
-    raw[10] ^= 0xFF
-    source.objects[data_file] = bytes(raw)
+    data_file = _flip_a_byte_of_frame_0(source)
     (problem,) = StoredCheckpoint(source).verify()
     assert (problem.file, problem.frame) == (data_file, 0) and "checksum mismatch" in problem.message
-    (directory / data_file).write_bytes(bytes(raw))
+    (directory / data_file).write_bytes(source.objects[data_file])
     assert [str(p) for p in StoredCheckpoint(directory).verify()] == [str(problem)]
