@@ -33,6 +33,7 @@ from tierstate.errors import TierstateError
 
 from .laziness import EagerSnapshot
 from .metrics import CheckpointStats, Outcome
+from .trace import marks
 
 T = TypeVar("T")
 log = logging.getLogger("tierstate")
@@ -205,7 +206,7 @@ class HandleCompleter:
         self._tiers: dict[str, concurrent.futures.Future[Path]] = {name: _running_future() for name in tiers}
         self.handle = CheckpointHandle(step, self._capture, self._durable, self._tiers)
         # Trainer threads waiting for the capture, by their start time (see wait_captured).
-        self._waiting: dict[object, float] = {}
+        self._waiting: dict[object, tuple[float, str]] = {}  # token -> (since, thread)
         self._waits_lock = threading.Lock()
         self._capture.add_done_callback(self._count_waits)
 
@@ -218,31 +219,35 @@ class HandleCompleter:
         self.handle.stats.eager = snapshot
 
     def blocked(self, seconds: float) -> None:
-        """The trainer spent ``seconds`` more on this checkpoint in checkpoint()."""
+        """The trainer spent ``seconds`` more on this checkpoint in checkpoint(), up to now."""
         self.handle.stats.blocked_s += seconds
+        now = time.monotonic()
+        self.handle.stats.timeline.add("trainer blocked: checkpoint()", now - seconds, now)
 
+    @marks("waiting for capture")
     def wait_captured(self) -> float:
         """Block the calling (trainer's) thread until the capture resolves; the seconds it waited.
 
         The wait counts as blocked time by the moment the capture resolves, whichever thread gets
         there first, so the stats the job writes into the manifest after the capture include it.
         """
-        started = time.perf_counter()
+        started = time.monotonic()
         token = object()
         with self._waits_lock:
             if self._capture.done():
                 return 0.0
-            self._waiting[token] = started
+            self._waiting[token] = (started, threading.current_thread().name)
         _wait(self._capture, None)
         self._count_waits()
-        return time.perf_counter() - started
+        return time.monotonic() - started
 
     def _count_waits(self, _future: object = None) -> None:
-        """Add the waits of the threads still counted as waiting to the blocked time, as of now."""
-        now = time.perf_counter()
+        """Add the waits of the threads still counted as waiting to the blocked time (and the timeline), as of now."""
+        now = time.monotonic()
         with self._waits_lock:
-            for started in self._waiting.values():
+            for started, thread in self._waiting.values():
                 self.handle.stats.blocked_s += now - started
+                self.handle.stats.timeline.add("trainer blocked: waiting for capture", started, now, thread=thread)
             self._waiting.clear()
 
     def captured(self) -> None:

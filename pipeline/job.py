@@ -132,7 +132,7 @@ class CheckpointJob:
         self.flow.on_stop(self.ctx.cache.wake)
         chain: list[tuple[StageConfig, Step]] = []
         for name, config in self.ctx.config.chain():
-            stats = self.stats.stages[name] = StageStats()
+            stats = self.stats.stages[name] = StageStats(timeline=self.stats.timeline, name=name)
             chain.append((config, Step(stats, self._stage(config, writer))))
         lanes = lanes_of(chain, self.flow, self.ctx.cache.slab_count)
         pools = [self.ctx.io if isinstance(lane.steps[0].stage, Persist) else self.ctx.compute for lane in lanes]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from .config_schema import StageConfig
 from .metrics import StageStats
 from .stage_threads import Flow, Handoff, run_workers
+from .trace import marked
 from .units import Chunk, Stage, Unit
 
 
@@ -110,7 +111,8 @@ def run_lane(lanes: list[Lane], index: int, lock: threading.Lock, left: list[int
                     step.stats.passed(_nbytes(unit))
                 continue
             started = time.monotonic()
-            result = step.stage.run(unit)
+            with marked(step.stats.name):
+                result = step.stage.run(unit)
             unit = unit if result is None else result
             with lock:
                 step.stats.unit_done(started, time.monotonic(), _nbytes(unit))

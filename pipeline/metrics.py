@@ -12,9 +12,12 @@ shows what a checkpoint cost long after the run; the runner logs it as one struc
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..tiers.format import MAX_TIMELINE
 from .laziness import EagerSnapshot
 
 Outcome = Literal["in flight", "durable", "failed", "skipped"]
@@ -22,6 +25,30 @@ Outcome = Literal["in flight", "durable", "failed", "skipped"]
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+class Timeline:
+    """Intervals of one checkpoint on this rank (monotonic seconds), for ``tierstate stats --trace``: each
+    stage's work on a unit and each unit passed through it (by worker thread), waits for a host-cache
+    slab, the trainer's blocked calls and waits. Appends come from the stage threads without a lock
+    (``list.append`` is atomic); past :data:`~tiers.format.MAX_TIMELINE` events the rest are dropped."""
+
+    def __init__(self) -> None:
+        self.origin = time.monotonic()  # the request
+        self.events: list[tuple[str, str, float, float, int]] = []
+
+    def add(self, name: str, started: float, ended: float, nbytes: int = 0, thread: str | None = None) -> None:
+        if len(self.events) < MAX_TIMELINE:
+            who = threading.current_thread().name if thread is None else thread
+            self.events.append((name, who, started, ended, nbytes))
+
+    def records(self) -> list[dict[str, Any]]:
+        """The events as the manifest keeps them: seconds from the request, never before it."""
+        return [
+            {"name": name, "thread": thread, "start": round(max(0.0, start - self.origin), 6),
+             "end": round(max(0.0, end - self.origin), 6), "bytes": nbytes}
+            for name, thread, start, end, nbytes in self.events
+        ]  # fmt: skip
 
 
 @dataclass
@@ -41,6 +68,9 @@ class StageStats:
     queue_bound: int = 0
     passed_units: int = 0  # of ``units``, those it handed on untouched, never queued for its workers
     _span: tuple[float, float] | None = field(default=None, repr=False, compare=False)
+    # Where its units' intervals go (the checkpoint's timeline), under this stage's name; None: nowhere.
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    name: str = field(default="", repr=False, compare=False)
 
     @property
     def gbps(self) -> float:
@@ -54,12 +84,17 @@ class StageStats:
         self.units += 1
         self.bytes += nbytes
         self.busy_s += ended - started
+        if self.timeline is not None:
+            self.timeline.add(self.name, started, ended, nbytes)
 
     def passed(self, nbytes: int) -> None:
         """A unit of ``nbytes`` went past this stage, which had nothing to do on it (job.py ``_passes``)."""
         self.units += 1
         self.passed_units += 1
         self.bytes += nbytes
+        if self.timeline is not None:
+            now = time.monotonic()
+            self.timeline.add(f"{self.name} (passed)", now, now, nbytes)
 
     def queued(self, size: int) -> None:
         self.queue_peak = max(self.queue_peak, size)
@@ -110,6 +145,7 @@ class CheckpointStats:
     cache_wait_s: float = 0.0
     eager: EagerSnapshot = EagerSnapshot(0, 0, ())
     stages: dict[str, StageStats] = field(default_factory=dict)
+    timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
 
     @property
     def gbps(self) -> float:
@@ -128,7 +164,9 @@ class CheckpointStats:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: the log record's ``tierstate`` field, and what the CLI prints."""
         durable = {"durable_s": round(self.durable_s, 6), "gbps": round(self.gbps, 3)}
-        return {"step": self.step, "outcome": self.outcome, **self.manifest_body(), **durable}
+        body = self.manifest_body()
+        del body["timeline"]  # the manifest keeps it (``tierstate stats --trace``); a log record would drown in it
+        return {"step": self.step, "outcome": self.outcome, **body, **durable}
 
     def figures(self, prefix: str = "tierstate/") -> dict[str, float]:
         """The few numbers a dashboard plots per checkpoint, flat, under ``prefix``: what the HF callback
@@ -157,6 +195,7 @@ class CheckpointStats:
             "eager_tensors": self.eager.tensors,
             "eager_bytes": self.eager.nbytes,
             "stages": _stage_list(self.stages),
+            "timeline": self.timeline.records(),
         }
 
 

@@ -54,6 +54,7 @@ from .restore import RestoreResult, nearest_first, restore_into
 from .room import Room
 from .stages.capture import SlabCopier
 from .tierpaths import check_tier_paths
+from .trace import marks
 
 log = logging.getLogger("tierstate")
 
@@ -221,6 +222,7 @@ class Runner:
         return len(self._group.node_ranks) if scoped else self._group.world_size
 
     # --- checkpoint ---------------------------------------------------------------------------
+    @marks("checkpoint()")
     def checkpoint(self, step: int) -> CheckpointHandle:
         """Request a checkpoint of the registered state at ``step``; returns without waiting for I/O.
 

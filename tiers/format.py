@@ -197,6 +197,20 @@ class StageStatsRecord(_Strict):
     passed_units: NonNegative = 0  # of ``units``, those handed past it untouched (none before this field)
 
 
+class TimelineEvent(_Strict):
+    """One interval of a rank's checkpoint, in seconds from the request: a stage's work on one unit (or a
+    unit passed through it), a wait for a host-cache slab, the trainer blocked; for ``tierstate stats --trace``."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    thread: Annotated[str, Field(max_length=256)]
+    start: Measure
+    end: Measure
+    bytes: NonNegative = 0
+
+
+MAX_TIMELINE = 20_000  # events kept per rank and checkpoint: ~4 per chunk, so a few TB at 64 MiB chunks
+
+
 class RankStatsRecord(_Strict):
     """What writing one rank's part cost, as that rank measured it (see pipeline/metrics.py).
 
@@ -214,6 +228,15 @@ class RankStatsRecord(_Strict):
     eager_tensors: NonNegative
     eager_bytes: NonNegative
     stages: list[StageStatsRecord]  # in chain order
+    timeline: Annotated[list[TimelineEvent], Field(max_length=MAX_TIMELINE)] = []  # none before this field
+
+    @model_serializer(mode="wrap")
+    def _empty_timeline_left_out(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No ``timeline`` key when there is none: the JSON of an older checkpoint is written as it was."""
+        body: dict[str, Any] = dump(self)
+        if not self.timeline:
+            body.pop("timeline", None)
+        return body
 
 
 class Manifest(_Strict):

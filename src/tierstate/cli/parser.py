@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("stats", "what a checkpoint cost: bytes, seconds, GB/s per stage", [common])
     s.add_argument("target", help="a checkpoint directory, or a step number found on the tiers")
+    s.add_argument("--trace", metavar="FILE", help="also write its timeline as a Chrome/Perfetto trace (JSON)")
 
     m = command("migrate", "copy (or --move) committed checkpoints to another tier, verified", [common])
     m.add_argument("step", nargs="?", type=_step, help="the step to migrate (or --all)")

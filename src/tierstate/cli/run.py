@@ -66,7 +66,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    return show_stats(_checkpoint_dir(args), args.json)
+    return show_stats(_checkpoint_dir(args), args.json, args.trace)
 
 
 def _migrate(args: argparse.Namespace) -> int:

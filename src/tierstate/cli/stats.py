@@ -11,9 +11,11 @@ recorded has none, which is said, not an error.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+from ..pipeline.trace import chrome_trace
 from ..tiers.format import Manifest, RankStatsRecord
 from ..tiers.stored import StoredCheckpoint
 from .tables import columns
@@ -63,8 +65,15 @@ def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
 
 
-def show_stats(directory: Path, as_json: bool) -> int:
-    """Print what the checkpoint in ``directory`` cost; exit code 0 (ManifestError if it is no checkpoint)."""
+def show_stats(directory: Path, as_json: bool, trace: str | None = None) -> int:
+    """Print what the checkpoint in ``directory`` cost; exit code 0 (ManifestError if it is no checkpoint).
+    ``trace``: also write its timeline there, as a Chrome/Perfetto trace (pipeline/trace.py)."""
     manifest = StoredCheckpoint(directory).manifest
     print(json.dumps(stats_document(manifest), indent=1) if as_json else "\n".join(stats_lines(manifest)))
+    if trace is not None:
+        document = chrome_trace(manifest)
+        Path(trace).write_text(json.dumps(document))
+        events = sum(1 for event in document["traceEvents"] if event["ph"] != "M")
+        note = f"trace: {events} events in {trace} (open it in ui.perfetto.dev or chrome://tracing)"
+        print(note, file=sys.stderr if as_json else sys.stdout)
     return 0
