@@ -86,6 +86,8 @@ class CheckpointHandle:
         self.stats = CheckpointStats(step)
         self.skipped = False
         self.error: BaseException | None = None
+        # What result() raises for a failed or skipped checkpoint (its cause: ``error``); set before it resolves.
+        self.failure: CheckpointFailed | None = None
         # Background flushes to slower tiers that failed (tier -> error); the checkpoint itself is fine.
         self.flush_errors: dict[str, BaseException] = {}
         self._capture = capture
@@ -165,9 +167,7 @@ class CheckpointHandle:
     def exception(self, timeout: float | None = None) -> CheckpointFailed | None:
         """What ``result()`` would raise (None for a durable checkpoint); TimeoutError as ``result()``."""
         self._finished_within(timeout)
-        error = self._durable.exception()
-        assert error is None or isinstance(error, CheckpointFailed)
-        return error
+        return self.failure
 
     def add_done_callback(self, fn: Callable[[CheckpointHandle], object]) -> None:
         """Call ``fn(handle)`` once the checkpoint is durable, failed or skipped (at once if it is).
@@ -307,6 +307,8 @@ class HandleCompleter:
         log.log(level, message, *args, extra={"tierstate": record})
 
     def _fail_all(self, failure: CheckpointFailed) -> None:
+        if not self._durable.done():  # what the durable future will raise
+            self.handle.failure = failure
         for future in (*self._tiers.values(), self._capture, self._durable):
             _fail(future, failure)
 
