@@ -16,11 +16,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tierstate.pipeline.config import parse_config
 from tierstate.pipeline.lanes import Lane, Step, feed, run_lane
 from tierstate.pipeline.metrics import CheckpointStats, StageStats
 from tierstate.pipeline.plan import CheckpointPlan, plan_checkpoint
 from tierstate.pipeline.stage_threads import Flow, Handoff, Stopped, run_workers
 from tierstate.pipeline.stages.capture import Capture, SlabCopier
+from tierstate.pipeline.stages.persist import Persist, TierWriter
 from tierstate.pipeline.stages.serialize import Serialize
 from tierstate.pipeline.stages.slabs import HeldSlabs
 from tierstate.pipeline.units import Chunk, ChunkPlan, ObjectBatch, Unit, run_blocking
@@ -215,3 +217,19 @@ async def test_a_cancelled_blocking_call_still_waits_for_its_thread(pools):
     gate.set()
     with pytest.raises(asyncio.CancelledError):
         await call
+
+
+async def test_persist_fails_a_unit_that_is_not_a_chunk_instead_of_dropping_it(tmp_path, pools):
+    """A unit no stage turned into a chunk would be missing from the checkpoint: the checkpoint fails instead."""
+    config = parse_config({"tiers": {"nvme": {"path": str(tmp_path)}}})
+    job = Flowing([ObjectItem("meta", {"epoch": 2})])
+    stage = config.stage_of_kind("persist")
+    assert stage is not None
+    writer = await TierWriter.open("nvme", tmp_path, 0, 1, job.plan, stage, config.align, pools[1])
+    try:
+        persist = Persist(writer, job.slabs, job.stats, job.lock)
+        with pytest.raises(TypeError, match="ObjectBatch reached persist"):
+            persist.run(ObjectBatch(job.plan.objects))
+        assert job.stats.chunks == 0
+    finally:
+        writer.close()
