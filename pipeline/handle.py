@@ -33,7 +33,7 @@ from tierstate.errors import TierstateError
 
 from .laziness import EagerSnapshot
 from .metrics import CheckpointStats, Outcome
-from .trace import marks
+from .trace import marked
 
 T = TypeVar("T")
 log = logging.getLogger("tierstate")
@@ -224,7 +224,6 @@ class HandleCompleter:
         now = time.monotonic()
         self.handle.stats.timeline.add("trainer blocked: checkpoint()", now - seconds, now)
 
-    @marks("waiting for capture")
     def wait_captured(self) -> float:
         """Block the calling (trainer's) thread until the capture resolves; the seconds it waited.
 
@@ -237,7 +236,8 @@ class HandleCompleter:
             if self._capture.done():
                 return 0.0
             self._waiting[token] = (started, threading.current_thread().name)
-        _wait(self._capture, None)
+        with marked("waiting for capture"):  # in a torch profile, beside the step it holds up
+            _wait(self._capture, None)
         self._count_waits()
         return time.monotonic() - started
 

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from toy_regression import model_and_optimizer, train_step
 
+from launch import mark_finished
 from tierstate import NothingToRestoreError, TierstateError
 from tierstate.pipeline.distributed import EXIT_BEFORE_VOTE_ENV
 from tierstate.pipeline.runner import Runner
@@ -446,6 +447,7 @@ def main() -> None:
         SCENARIOS[name](Scenario(workdir, name))
         if i + 1 < len(names):
             dist.barrier()
+    mark_finished(workdir, dist.get_rank())
     dist.destroy_process_group()
 
 

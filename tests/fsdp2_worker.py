@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from launch import mark_finished
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider
 
@@ -139,6 +140,7 @@ def main() -> None:
         SCENARIOS[name](Scenario(workdir, f"{name}-on-{dist.get_world_size()}"))
         if i + 1 < len(names):
             dist.barrier()
+    mark_finished(workdir, dist.get_rank())
     dist.destroy_process_group()
 
 

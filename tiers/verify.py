@@ -191,12 +191,12 @@ def write_stamp(directory: Path, problems: Sequence[Problem] = ()) -> str | None
     """Record that the checkpoint in ``directory`` has just passed a full verification, or failed it with
     ``problems``; why it could not be recorded (the directory is read-only, full or gone), or None.
     Something planted under the stamp's name is refused (UnsafeFileError), never written through."""
-    stamp: dict[str, object] = {"manifest": _manifest_id(directory)}
-    if problems:
-        stamp |= {"damaged_at": now_iso(), "problems": [str(p) for p in problems]}
-    else:
-        stamp["verified_at"] = now_iso()
     try:
+        stamp: dict[str, object] = {"manifest": _manifest_id(directory)}  # gone if retention pruned it meanwhile
+        if problems:
+            stamp |= {"damaged_at": now_iso(), "problems": [str(p) for p in problems]}
+        else:
+            stamp["verified_at"] = now_iso()
         write_durably(directory / STAMP_NAME, json.dumps(stamp).encode())
     except UnsafeFileError:
         raise

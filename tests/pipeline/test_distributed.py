@@ -12,8 +12,6 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from dist_worker import (
 )
 
 from conftest import REPO
+from launch import torchrun as launch
 from tierstate import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, RNGProvider, TensorDictProvider
@@ -51,12 +50,7 @@ pytestmark = [
 
 def torchrun(workdir: Path, *scenarios: str) -> None:
     """Run the scenarios on two ranks; ``--standalone`` rendezvous binds a free port itself."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(WORKER), str(workdir), *scenarios,
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert done.returncode == 0, f"torchrun {' '.join(scenarios)} failed:\n{done.stdout[-3000:]}{done.stderr[-6000:]}"
+    launch(WORKER, workdir, 2, scenarios, REPO, LAUNCH_TIMEOUT_S)
 
 
 def runner_on(tiers: Path) -> Runner:

@@ -9,8 +9,6 @@ so everything it trains on must come from the checkpoint.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 
 from conftest import REPO
+from launch import torchrun as launch
 
 WORKER = REPO / "tests" / "fsdp2_worker.py"
 LAUNCH_TIMEOUT_S = 180
@@ -33,12 +32,7 @@ pytestmark = [
 
 
 def torchrun(workdir: Path, ranks: int, *scenarios: str) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-        str(WORKER), str(workdir), *scenarios,
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert done.returncode == 0, f"torchrun {' '.join(scenarios)} failed:\n{done.stdout[-3000:]}{done.stderr[-6000:]}"
+    launch(WORKER, workdir, ranks, scenarios, REPO, LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
