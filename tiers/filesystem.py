@@ -43,7 +43,7 @@ from .format import (
     read_manifest,
 )
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
-from .safeopen import kind_of, make_dir, open_read, write_durably
+from .safeopen import is_real_dir, kind_of, make_dir, open_read, write_durably
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
@@ -239,20 +239,13 @@ class FilesystemTier:
     def entries(self) -> list[os.DirEntry[str]]:
         """What the tier directory holds, each entry as itself (``lstat``, never through a symlink);
         nothing for a nested tier whose directory is not a real one (a planted ``peer-<node>`` symlink)."""
-        if self.nested and not self.is_real():
+        if self.nested and not is_real_dir(self.root):
             return []
         try:
             with os.scandir(self.root) as listing:
                 return list(listing)
         except (FileNotFoundError, NotADirectoryError):
             return []
-
-    def is_real(self) -> bool:
-        """Whether the tier's directory is a real directory itself (not a symlink to one)."""
-        try:
-            return stat.S_ISDIR(os.lstat(self.root).st_mode)
-        except FileNotFoundError:
-            return False
 
     def steps(self) -> list[int]:
         """Committed steps, ascending: real directories named step-N whose manifest is a regular file."""
