@@ -280,15 +280,13 @@ class RunMetrics:
             metric = f"{namespace}_{name}"
             kind = "counter" if name in _COUNTERS else "gauge"
             lines += [f"# TYPE {metric} {kind}", f"{metric} {_number(value)}"]
-        fields = sorted({k for stage in self.stages.values() for k, v in stage.as_dict().items()
-                         if isinstance(v, int | float)})  # fmt: skip
-        for field_name in fields:
+        rows = {name: {k: v for k, v in stage.as_dict().items() if isinstance(v, int | float)}
+                for name, stage in self.stages.items()}  # fmt: skip
+        for field_name in sorted({k for row in rows.values() for k in row}):
             metric = f"{namespace}_stage_{field_name}"
             lines.append(f"# TYPE {metric} gauge")
-            for stage_name, stage in self.stages.items():
-                value = stage.as_dict().get(field_name)
-                if isinstance(value, int | float):
-                    lines.append(f'{metric}{{stage="{stage_name}"}} {_number(value)}')
+            lines += [f'{metric}{{stage="{name}"}} {_number(row[field_name])}' for name, row in rows.items()
+                      if field_name in row]  # fmt: skip
         return "\n".join(lines) + "\n"
 
     def as_dict(self) -> dict[str, Any]:
