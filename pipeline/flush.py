@@ -149,6 +149,7 @@ class Flusher:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierstate-flush")
         self._tasks: set[asyncio.Task[object]] = set()
         self._prune_lock = asyncio.Lock()
+        self._resumed: asyncio.Task[object] | None = None
         self.failures: list[FlushFailure] = []
 
     @property
@@ -261,7 +262,14 @@ class Flusher:
             return
         if left:
             self._collect_dead_partials()
-            self._spawn(self._resume({(p.step, name) for p in left for name in p.targets}))
+            self._resumed = self._spawn(self._resume({(p.step, name) for p in left for name in p.targets}))
+
+    def wait_resumed(self) -> None:
+        """From any thread but the loop's: wait until the flushes :meth:`resume` started are done (at once if
+        none): the peer copies a crashed run left (pipeline/peers.py) include steps these flushes bring."""
+        if self._resumed is not None:
+            resumed = self._resumed
+            asyncio.run_coroutine_threadsafe(asyncio.wait([resumed]), self._loop).result()
 
     def _collect_dead_partials(self) -> None:
         """A dead writer's partials would take room on a bounded tier: removed here, on the trainer's thread,

@@ -18,6 +18,13 @@ cannot write goes on receiving, so neither side is left waiting; a copy is publi
 every byte checked out. A rank that dies or hangs makes the others' calls fail within the group
 timeout; the link is then broken for good, and every later transfer and recall is skipped
 (restore falls back to the node's own copies and the shared tier).
+
+A job killed before its queued transfers ran leaves committed steps without their peer copy (a crash
+between commit and copy; the copy of a part whose node was replaced is lost with it). A runner's
+first commit therefore first sends what a previous run left unsent: every older step a node holds on
+a replicated tier that its partner does not keep, oldest first, once the flushes that crash left
+pending (pipeline/flush.py) have brought their steps to the tier; retention on the partner then
+frees them by its rule, as for any copy.
 """
 
 from __future__ import annotations
@@ -83,8 +90,15 @@ class _Side:
 class PeerLink:
     """The runner's peer copies: its own gloo group and one thread in which every transfer runs."""
 
-    def __init__(self, config: PipelineConfig, tiers: list[FilesystemTier], group: CheckpointGroup) -> None:
-        """Collective: every rank builds it at the same point (the runner's constructor)."""
+    def __init__(
+        self,
+        config: PipelineConfig,
+        tiers: list[FilesystemTier],
+        group: CheckpointGroup,
+        flushes_resumed: Callable[[], None],
+    ) -> None:
+        """Collective: every rank builds it at the same point (the runner's constructor).
+        ``flushes_resumed`` waits for the flushes a crashed run left (see the module docstring)."""
         spare = len(group.nodes) - 1
         for tier in tiers:
             wanted = config.tiers[tier.name].replicas
@@ -102,42 +116,81 @@ class PeerLink:
             raise PeerLinkLost(f"rank {group.rank} is not a member of the peer group torch.distributed created")
         self._pg = made
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstate-peers")
+        self._flushes_resumed = flushes_resumed
+        self._resumed = False
         self.broken: str | None = None
         self.failures: list[FlushFailure] = []
 
     @classmethod
-    def of(cls, config: PipelineConfig, tiers: list[FilesystemTier], group: CheckpointGroup | None) -> PeerLink | None:
+    def of(
+        cls,
+        config: PipelineConfig,
+        tiers: list[FilesystemTier],
+        group: CheckpointGroup | None,
+        flushes_resumed: Callable[[], None],
+    ) -> PeerLink | None:
         if group is None or not any(t.replicas for t in config.tiers.values()):
             return None
-        return cls(config, tiers, group)
+        return cls(config, tiers, group, flushes_resumed)
 
     # --- after a commit --------------------------------------------------------------------------
     def committed(self, completer: HandleCompleter) -> None:
-        """Queue the peer copies of ``completer``'s step (called in commit order, alike on every rank)."""
+        """Queue the peer copies of ``completer``'s step (called in commit order, alike on every rank); the
+        first one queues before them the copies a previous run left unsent."""
+        if not self._resumed:
+            self._resumed = True
+            self._thread.submit(self._resume, completer.step)
         self._thread.submit(self._replicate, completer)
 
     def _replicate(self, completer: HandleCompleter) -> None:
         step = completer.step
+        leader = self._group.is_node_leader
         for tier in self._replicated:
             future = completer.handle.tier_futures.get(tier.name)
             if future is None:
                 continue  # not due on this tier (flush.every): on no rank
             arrived = future.exception() is None  # waits for the copy to reach the tier (or to fail)
-            side = _Side()
-            if self._group.is_node_leader and arrived:
-                partner = partner_of(list(self._group.nodes), self._group.node_name)
-                side.sending = _Offer(self._leaders[partner], tier.name, step, self._group.node_name)
-            elif self._group.is_node_leader:
-                side.error = f"node {self._group.node_name}'s part of step {step} did not reach tier {tier.name}"
-            try:
-                outcome = self._transfer(f"step {step}: peer copies on tier {tier.name}", side, tier, kept_for)
-            except PeerLinkLost as exc:
-                self._failed(step, tier, exc)
+            missing = f"node {self._group.node_name}'s part of step {step} did not reach tier {tier.name}"
+            if not self._copy(step, tier, leader and arrived, None if arrived or not leader else missing):
                 return
-            for text in outcome:
-                self._failed(step, tier, PeerCopyFailed(text))
-            if side.receiving is not None:
-                self._prune(side.receiving.tier, tier)
+
+    def _resume(self, first: int) -> None:
+        """Send what a previous run left unsent: each step older than ``first`` (this runner's first commit)
+        that a node holds on a replicated tier and its partner does not keep, oldest first."""
+        self._flushes_resumed()
+        nodes, me = list(self._group.nodes), self._group.node_name
+        own = {t.name: [step for step in _listed(t) if step < first] for t in self._replicated}
+        kept = {t.name: {n: _listed(kept_for(t, n)) for n in nodes if n != me} for t in self._replicated}
+        try:
+            said = self._run("peer copies left unsent: what each node holds", lambda: _gather(self._pg, (own, kept)))
+        except PeerLinkLost as exc:
+            log.error("peer copies a previous run left unsent are not sent: %s", exc)
+            return
+        for tier in self._replicated:
+            unsent = _unsent(said, tier.name, self._leaders, nodes)
+            for step, senders in sorted(unsent.items()):
+                log.info("step %d: the peer copies on tier %s of node(s) %s were left unsent by a previous run: "
+                         "sending them", step, tier.name, ", ".join(senders))  # fmt: skip
+                if not self._copy(step, tier, self._group.is_node_leader and me in senders, None):
+                    return
+
+    def _copy(self, step: int, tier: FilesystemTier, sending: bool, error: str | None) -> bool:
+        """Collective: one transfer of ``step``'s parts on ``tier`` to the partners (this rank's part if
+        ``sending``; ``error``: why it has none to send); False once the peer link is lost."""
+        side = _Side(error=error)
+        if sending:
+            partner = partner_of(list(self._group.nodes), self._group.node_name)
+            side.sending = _Offer(self._leaders[partner], tier.name, step, self._group.node_name)
+        try:
+            outcome = self._transfer(f"step {step}: peer copies on tier {tier.name}", side, tier, kept_for)
+        except PeerLinkLost as exc:
+            self._failed(step, tier, exc)
+            return False
+        for text in outcome:
+            self._failed(step, tier, PeerCopyFailed(text))
+        if side.receiving is not None:
+            self._prune(side.receiving.tier, tier)
+        return True
 
     def _prune(self, copies: FilesystemTier, tier: FilesystemTier) -> None:
         try:
@@ -340,6 +393,18 @@ def _listed(tier: FilesystemTier) -> list[int]:
         return tier.steps()
     except OSError:
         return []
+
+
+def _unsent(said: list[Any], tier: str, leaders: dict[str, int], nodes: list[str]) -> dict[int, list[str]]:
+    """Per step, the nodes whose part of it on ``tier`` their partner does not keep, from what each rank
+    said: (its steps on each tier, the steps it keeps on each tier for each other node)."""
+    unsent: dict[int, list[str]] = {}
+    for node, leader in leaders.items():
+        kept = said[leaders[partner_of(nodes, node)]][1][tier].get(node, [])
+        for step in said[leader][0][tier]:
+            if step not in kept:
+                unsent.setdefault(step, []).append(node)
+    return unsent
 
 
 def _newest_copy(held: dict[str, dict[str, list[int]]], node: str, own: list[int]) -> tuple[str, int] | None:

@@ -133,7 +133,7 @@ class Runner:
         self._buckets = BucketFlusher(config, active=self._group is None or (shared and self.rank == 0))
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
-        self._peers = PeerLink.of(config, self.tiers, self._group)
+        self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
         persist = config.tiers[config.persist_tier]
         self._room = (
             Room(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._io)

@@ -8,15 +8,22 @@ scenarios write to a memory tier first (``WORKDIR/nodes/{node}/memory``, kind: m
 which flushes to both; ``train-last`` persists to NVMe. ``train-peers`` / ``resume-peers`` persist to
 NVMe with ``replicas: 1``: each node's part also goes to the other node's NVMe (a peer copy);
 ``train-peers-pruned`` keeps one step on NVMe and holds the peer copies back until step 4 replaced step 2;
-``damage-peer-copy`` empties n1's NVMe and flips a byte of n1's part in n0's copy. What a rank saw goes to
+``damage-peer-copy`` empties n1's NVMe and flips a byte of n1's part in n0's copy;
+``train-peers-killed`` commits steps 2 and 4 with their peer copies held back, records, and SIGKILLs
+itself (a crash before the copies' turn); ``train-memory-peers-killed`` does so with the memory tier
+first and its flushes hung, so NVMe never got those steps; ``resume-peers-save`` and
+``resume-memory-peers-save`` restore and commit step 6 too. What a rank saw goes to
 ``WORKDIR/<scenario>/rank-R.json``; ``NODES-DONE <scenario>`` on stdout says it is recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -30,6 +37,7 @@ from toy_regression import model_and_optimizer, train_step
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
+from tierstate.tiers import faults
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.peers import kept_for
 
@@ -136,6 +144,53 @@ def train_pruned(workdir: Path, rank: int) -> dict[str, Any]:
     return {"on_nvme_when_sent": on_nvme, "flush_errors": [str(f) for f in runner.flush_failures]}
 
 
+def train_killed(workdir: Path, rank: int, memory: bool = False) -> dict[str, Any]:
+    """``train-peers`` whose peer copies never get their turn: the process is SIGKILLed once steps 2 and 4
+    are committed, with their transfers still queued. Without ``memory`` they are on NVMe and the PFS;
+    with it they are in the memory tier only, their flushes hung at their first frame."""
+    model, opt = _ddp(seed=0)
+    counter = {"step": 0}
+    runner = _runner(workdir, memory=memory, replicas=1)
+    _register(runner, model, opt, counter)
+    assert runner._peers is not None
+    hung = threading.Event()
+    runner._peers._thread.submit(hung.wait)  # the transfers queue behind this, for good
+    hang = faults.inject("migrate.frame", lambda _: hung.wait()) if memory else contextlib.nullcontext()
+    with hang:  # with the memory tier no flush goes past its first frame
+        for step in range(1, 5):
+            _step(model, opt)
+            counter["step"] = step
+            if step in SAVED_AT:
+                runner.checkpoint(step).result()
+        if not memory:
+            runner._flusher.drain()
+        dist.barrier()  # neither rank dies while the other still needs it
+        _record(workdir, "train-memory-peers-killed" if memory else "train-peers-killed", rank, {})
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL")
+
+
+def resume_and_save(workdir: Path, rank: int, memory: bool = False) -> dict[str, Any]:
+    """Restore the latest step with peer copies on, train to the end and commit step 6 on the way. With
+    ``memory``, the flushes the killed run left (memory -> NVMe) are held until step 6 has committed."""
+    model, opt = _ddp(seed=123)
+    counter = {"step": -1}
+    committed = threading.Event()
+    held = faults.inject("migrate.frame", lambda _: committed.wait()) if memory else contextlib.nullcontext()
+    with held:
+        runner = _runner(workdir, memory=memory, replicas=1)
+        _register(runner, model, opt, counter)
+        restored = runner.restore("latest")
+        for step in range(counter["step"] + 1, STEPS + 1):
+            _step(model, opt)
+            counter["step"] = step
+            if step == 6:
+                runner.checkpoint(step).result()
+                committed.set()
+        runner.close()
+    return {"restored": [restored.step, restored.tier], "flush_errors": [str(f) for f in runner.flush_failures]}
+
+
 def damage(workdir: Path, rank: int) -> dict[str, Any]:
     """n1 is replaced (its NVMe empty), and the copy of n1's part that n0 keeps has a flipped byte."""
     nvme = FilesystemTier("nvme", workdir / "nodes" / f"n{rank}" / "nvme", "node")
@@ -162,7 +217,18 @@ SCENARIOS: dict[str, Callable[[Path, int], dict[str, Any]]] = {
     "resume-peers": functools.partial(resume, memory=False, replicas=1),
     "damage-peer-copy": damage,
     "train-peers-pruned": train_pruned,
+    "train-peers-killed": train_killed,
+    "resume-peers-save": resume_and_save,
+    "train-memory-peers-killed": functools.partial(train_killed, memory=True),
+    "resume-memory-peers-save": functools.partial(resume_and_save, memory=True),
 }
+
+
+def _record(workdir: Path, scenario: str, rank: int, facts: dict[str, Any]) -> None:
+    out = workdir / scenario
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank-{rank}.json").write_text(json.dumps(facts, indent=1))
+    print(f"NODES-DONE {scenario}", flush=True)
 
 
 def main() -> None:
@@ -170,11 +236,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for name in names:
-        facts = SCENARIOS[name](workdir, rank)
-        out = workdir / name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank-{rank}.json").write_text(json.dumps(facts, indent=1))
-        print(f"NODES-DONE {name}", flush=True)
+        _record(workdir, name, rank, SCENARIOS[name](workdir, rank))
     dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO
+from launch import TEARDOWN_ABORT
 from tierstate import cli
 from tierstate.tiers.faults import ENV as FAULT_ENV
 from tierstate.tiers.filesystem import FilesystemTier
@@ -57,9 +58,9 @@ def launch(workdir: Path, scenario: str, port: int, node: int, env: dict[str, st
     )  # fmt: skip
 
 
-def two_ranks(workdir: Path, *scenarios: str) -> None:
+def two_ranks(workdir: Path, *scenarios: str, killed: bool = False) -> None:
     """Both "nodes" run ``scenarios`` as plain processes (rank and world from the environment, no
-    torchrun agent: quicker to start), and succeed."""
+    torchrun agent: quicker to start), and succeed (or, ``killed``, SIGKILL themselves at the end)."""
     port = free_port()
     procs = []
     for rank in (0, 1):
@@ -71,7 +72,10 @@ def two_ranks(workdir: Path, *scenarios: str) -> None:
         )
     for rank, proc in enumerate(procs):
         out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-        assert proc.returncode == 0, f"rank {rank}, {scenarios}:\n{out[-6000:]}"
+        ended = f"NODES-DONE {scenarios[-1]}" in out  # what it recorded is complete
+        expected = -signal.SIGKILL if killed else 0
+        torn_down = proc.returncode == -signal.SIGABRT and TEARDOWN_ABORT in out  # torch's gloo teardown abort
+        assert ended and (proc.returncode == expected or torn_down), f"rank {rank}, {scenarios}:\n{out[-6000:]}"
 
 
 def two_nodes(workdir: Path, scenario: str) -> None:
@@ -262,3 +266,33 @@ def test_a_peer_copy_of_a_step_retention_already_replaced_is_skipped_not_failed(
         assert seen["flush_errors"] == []
         copy = kept_for(nvme(tmp_path, node), other)
         assert copy.steps() == [4] and verify_step(copy, 4).ok
+
+
+def test_peer_copies_a_killed_run_left_unsent_are_sent_by_the_next_runs_first_commit(tmp_path):
+    two_ranks(tmp_path, "train-peers-killed", killed=True)
+    for node, other in (("n0", "n1"), ("n1", "n0")):
+        assert nvme(tmp_path, node).steps() == [2, 4]
+        assert kept_for(nvme(tmp_path, node), other).steps() == []  # killed before the copies' turn
+    two_ranks(tmp_path, "resume-peers-save")
+    for node, other, seen in zip(("n0", "n1"), ("n1", "n0"), facts(tmp_path, "resume-peers-save"), strict=True):
+        assert (seen["restored"], seen["flush_errors"]) == ([4, "nvme"], [])
+        copy = kept_for(nvme(tmp_path, node), other)
+        assert copy.steps() == [2, 4, 6]  # the two left unsent, oldest first, then the new run's own
+        assert all(verify_step(copy, step).ok for step in copy.steps())
+        assert copy.manifest(2).node_part is not None and copy.manifest(2).node_part.node == other
+
+
+def test_steps_a_killed_run_left_in_memory_reach_nvme_and_then_the_partner(tmp_path):
+    two_ranks(tmp_path, "train-memory-peers-killed", killed=True)
+    for node, other in (("n0", "n1"), ("n1", "n0")):
+        assert (memory(tmp_path, node).steps(), nvme(tmp_path, node).steps()) == ([2, 4], [])  # pinned: due on NVMe
+        assert kept_for(nvme(tmp_path, node), other).steps() == []
+    two_ranks(tmp_path, "resume-memory-peers-save")
+    for node, other, seen in zip(("n0", "n1"), ("n1", "n0"), facts(tmp_path, "resume-memory-peers-save"), strict=True):
+        assert (seen["restored"], seen["flush_errors"]) == ([4, "memory"], [])
+        assert nvme(tmp_path, node).steps() == [2, 4, 6]  # the resumed flushes, then the new run's own
+        copy = kept_for(nvme(tmp_path, node), other)
+        assert copy.steps() == [2, 4, 6]  # sent once the resumed flushes had brought steps 2 and 4 to NVMe
+        assert all(verify_step(copy, step).ok for step in copy.steps())
+        assert memory(tmp_path, node).steps() == [6]  # keep_last: 1, nothing left pinned
+    assert FilesystemTier("pfs", tmp_path / "pfs").steps() == [2, 4, 6]
