@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,15 +98,16 @@ def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = No
     return [text for step, text in lost_entries(tiers) if step >= oldest and (newest is None or step <= newest)]
 
 
-def fresh_read(state: dict[str, Any]) -> ReadState:
+def fresh_read(state: dict[str, Any], fill: Callable[[], None] | None = None) -> ReadState:
     """A state just read into buffers of its own (:meth:`StoredCheckpoint.read`), as the providers receive it: every
     tensor fresh, except those sharing storage with another item (tied weights), which a keeping
-    provider must still copy, and empty ones, whose storages cannot be told apart."""
+    provider must still copy, and empty ones, whose storages cannot be told apart. A live tensor
+    :meth:`StoredCheckpoint.read_into` is to ``fill`` counts as fresh too: the provider that keeps it keeps its own."""
     tensors = {key: v for key, v in state.items() if isinstance(v, torch.Tensor)}
     addresses = {key: storage_of(t) for key, t in tensors.items()}
     storages = Counter(addresses.values())
     fresh = {key for key, t in tensors.items() if t.numel() and storages[addresses[key]] == 1}
-    return ReadState(state, fresh)
+    return ReadState(state, fresh, fill)
 
 
 def restore_into(
@@ -147,7 +148,8 @@ def restore_into(
                 with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
                     require_providers(checkpoint, provider, f"restore step {step} from {tier.step_dir(step)}")
                     keys = checkpoint.keys_of(provider.children)
-                    state = fresh_read(checkpoint.read(keys, allow_pickle=allow_pickle))
+                    read = checkpoint.read_into(provider.restore_destinations(), keys, allow_pickle=allow_pickle)
+                    state = fresh_read(read.values, read.fill)
             except StoredCheckpoint.COPY_ERRORS as exc:
                 log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
                 problems.append(f"step {step} on tier {tier.name}: {exc}")

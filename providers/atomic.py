@@ -8,7 +8,7 @@ a step undoes what it restored.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,8 +33,11 @@ class ChildRestoreError(RestoreError):
 class AtomicRestore:
     """One restore of several providers: :meth:`check` them all, then :meth:`restore` them, or :meth:`undo` it."""
 
-    def __init__(self, parts: Sequence[Part]) -> None:
+    def __init__(self, parts: Sequence[Part], fill: Callable[[], None] | None = None) -> None:
         self.parts = list(parts)
+        # The checked providers' live tensors the read left to fill (see ReadState.fill): done first
+        # thing in restore_checked, once every provider was checked and the unchecked ones restored.
+        self._fill = fill
         self._snapshots: list[tuple[str, StateProvider, ReadState]] = []  # of the providers restored so far
 
     def check(self) -> None:
@@ -63,7 +66,20 @@ class AtomicRestore:
                 self._restore(path, provider, state)
 
     def restore_checked(self) -> None:
-        """The second half of :meth:`restore`: the checked providers, which promised to succeed."""
+        """The second half of :meth:`restore`: the checked providers, which promised to succeed.
+
+        First the bytes read straight into their live tensors, if any (the read verified them all);
+        if that fails the unchecked providers are put back and the error says what was overwritten.
+        """
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            try:
+                fill()
+            except Exception as exc:
+                exc.add_note("while reading into the live tensors; the providers without check were put back")
+                for problem in self.undo():
+                    exc.add_note(problem)
+                raise
         for path, provider, state in self.parts:
             if isinstance(provider, CheckedProvider):
                 self._restore(path, provider, state)

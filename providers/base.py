@@ -25,7 +25,7 @@ Two ways get a provider there, and :class:`~providers.composite.CompositeProvide
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, Set, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, Set, ValuesView
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from tierstate.errors import TierstateError
@@ -143,9 +143,14 @@ class ReadState(Mapping[str, Any]):
     so the keys marked fresh keep naming the very tensors that were read.
     """
 
-    def __init__(self, values: Mapping[str, Any], fresh: Set[str] = frozenset()) -> None:
+    def __init__(
+        self, values: Mapping[str, Any], fresh: Set[str] = frozenset(), fill: Callable[[], None] | None = None
+    ) -> None:
         self._values = values
         self.fresh = frozenset(fresh)
+        # Reading still to be done into live tensors given among the values (tiers/livefill.py: verified,
+        # not read in yet): a restore runs it after the providers without check, before the checked ones.
+        self.fill = fill
 
     def __getitem__(self, key: str) -> Any:
         return self._values[key]

@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from tierstate.errors import TierstateError
 
 from .atomic import AtomicRestore
-from .base import ReadState, StateProvider, fresh_keys
+from .base import CheckedProvider, ReadState, StateProvider, fresh_keys
 from .items import Item, TensorItem
 
 
@@ -95,7 +97,24 @@ class CompositeProvider:
 
     def restoring(self, state: Mapping[str, Any]) -> AtomicRestore:
         """The restore of ``state`` into every provider of the tree, in steps (for ranks that agree between them)."""
-        return AtomicRestore([(path, leaf, sub_state(state, path)) for path, leaf in self.leaves()])
+        fill = state.fill if isinstance(state, ReadState) else None
+        return AtomicRestore([(path, leaf, sub_state(state, path)) for path, leaf in self.leaves()], fill)
+
+    def restore_destinations(self) -> dict[str, torch.Tensor]:
+        """The live tensors of the checked providers, by item key: where a restore may read the stored
+        bytes straight in (tiers/livefill.py), since the checked providers are restored last, after every
+        provider was checked (:meth:`AtomicRestore.restore_checked` fills them first). A provider whose
+        ``describe()`` fails offers none; its restore will say why."""
+        live: dict[str, torch.Tensor] = {}
+        for path, leaf in self.leaves():
+            if not isinstance(leaf, CheckedProvider):
+                continue
+            try:
+                items = leaf.describe()
+            except Exception:  # its own restore reports it
+                continue
+            live |= {f"{path}/{i.key}": i.tensor for i in items if isinstance(i, TensorItem) and i.shard is None}
+        return live
 
     def leaves(self, prefix: str = "") -> list[tuple[str, StateProvider]]:
         """Every provider that is not itself a composite, by its path (``a/b``)."""

@@ -123,7 +123,7 @@ def _read_exact(fd: int, offset: int, length: int, where: str) -> bytes:
     return data
 
 
-def _scatter_read(fd: int, offset: int, views: list[memoryview], where: str) -> None:
+def scatter_read(fd: int, offset: int, views: list[memoryview], where: str) -> None:
     """preadv into the destination views, in batches of IOV_MAX, handling short reads."""
     pending = [v for v in views if len(v)]
     while pending:
@@ -142,7 +142,7 @@ def _scatter_read(fd: int, offset: int, views: list[memoryview], where: str) -> 
                 got = 0
 
 
-def _check(actual: str | None, frame: FrameRecord, where: str) -> None:
+def check_frame(actual: str | None, frame: FrameRecord, where: str) -> None:
     if actual is None:
         raise CorruptCheckpointError(f"{where}: truncated")
     if actual != frame.checksum:
@@ -170,7 +170,7 @@ def _read_in_place(
     run_start = 0
 
     def read_run() -> None:
-        _scatter_read(fd, frame.offset + run_start, run, where)
+        scatter_read(fd, frame.offset + run_start, run, where)
         for view in run:
             hasher.update(view)
         run.clear()
@@ -282,7 +282,7 @@ def decoding_problem(stored: int | bytes, frame: FrameRecord, where: str) -> str
     return None
 
 
-def _unreadable(exc: OSError, where: str) -> TierError:
+def unreadable(exc: OSError, where: str) -> TierError:
     return TierError(exc.errno, f"{where}: cannot read: {exc.strerror or exc}")
 
 
@@ -296,7 +296,7 @@ def _read_frame(
     except TierstateError:
         raise
     except OSError as exc:
-        raise _unreadable(exc, where) from None
+        raise unreadable(exc, where) from None
 
 
 def _read_verified(
@@ -309,16 +309,16 @@ def _read_verified(
     holes = has_holes(fd, frame.offset, frame.length)
     if holes:  # claimed, not held: verified (holes hashed, not read) before it costs any memory
         hasher = xxhash.xxh3_64()
-        _check(hasher.hexdigest() if feed_range(fd, frame.offset, frame.length, hasher) else None, frame, where)
+        check_frame(hasher.hexdigest() if feed_range(fd, frame.offset, frame.length, hasher) else None, frame, where)
     ordered = sorted(pieces, key=lambda kp: kp[1].offset)
     if frame.codec == "none" and _disjoint(ordered, frame.length):
-        _check(_read_in_place(fd, frame, ordered, dest, where), frame, where)
+        check_frame(_read_in_place(fd, frame, ordered, dest, where), frame, where)
         return
     if holes:
         stored: bytes | _StoredStream = _StoredStream(fd, frame.offset, frame.length, where)
     else:  # every byte on disk: read once, verified, then decoded from memory
         stored = _read_exact(fd, frame.offset, frame.length, where)
-        _check(xxhash.xxh3_64_hexdigest(stored), frame, where)
+        check_frame(xxhash.xxh3_64_hexdigest(stored), frame, where)
     try:
         _decode_into(stored, frame, ordered, dest)
     except CodecError as exc:
@@ -367,7 +367,7 @@ def read_pieces(
     source = as_source(location)
     with contextlib.ExitStack() as opened:
         if isinstance(source, DirectorySource):  # file descriptors: scatter reads, holes checked
-            fds = opened.enter_context(_opened(source.directory, {file for file, _ in by_frame}))
+            fds = opened.enter_context(opened_files(source.directory, {file for file, _ in by_frame}))
 
             def read(file: str, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], where: str) -> None:
                 _read_frame(fds[file], frame, pieces, dest, where)
@@ -389,7 +389,7 @@ def read_pieces(
 
 
 @contextlib.contextmanager
-def _opened(directory: Path, names: set[str]) -> Iterator[dict[str, int]]:
+def opened_files(directory: Path, names: set[str]) -> Iterator[dict[str, int]]:
     """A read descriptor of each file in ``names``, closed afterwards; a missing one is a corrupt checkpoint."""
     fds: dict[str, int] = {}
     try:
@@ -399,7 +399,7 @@ def _opened(directory: Path, names: set[str]) -> Iterator[dict[str, int]]:
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{directory / name}: data file missing") from None
             except OSError as exc:
-                raise _unreadable(exc, str(directory / name)) from None
+                raise unreadable(exc, str(directory / name)) from None
         yield fds
     finally:
         for fd in fds.values():
@@ -425,8 +425,8 @@ def _read_frame_from(
     except TierstateError:
         raise
     except OSError as exc:
-        raise _unreadable(exc, where) from None
-    _check(xxhash.xxh3_64_hexdigest(stored), frame, where)
+        raise unreadable(exc, where) from None
+    check_frame(xxhash.xxh3_64_hexdigest(stored), frame, where)
     try:
         _decode_into(bytes(stored), frame, sorted(pieces, key=lambda kp: kp[1].offset), dest)
     except CodecError as exc:

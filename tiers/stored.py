@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from .format import (
     stored_key,
 )
 from .gcpause import gc_paused
+from .livefill import LiveFill, plan
 from .locks import reading
 from .multirank import rank_view
 from .names import data_file_rank
@@ -55,12 +57,23 @@ from .verify import Problem, verify_source
 __all__ = [
     "COPY_ERRORS",
     "CorruptCheckpointError",
+    "LiveRead",
     "MissingItemError",
     "RankView",
     "Region",
     "StoredCheckpoint",
     "load",
 ]
+
+
+@dataclass
+class LiveRead:
+    """What :meth:`RankView.read_into` read: ``values`` by key, of which the live tensors it was given
+    (not yet holding the checkpoint's bytes: every frame of them verified, none read in) until
+    ``fill`` (None if none qualified) has run; see tiers/livefill.py."""
+
+    values: dict[str, Any]
+    fill: Callable[[], None] | None
 
 
 class StoredCheckpoint:
@@ -151,6 +164,18 @@ class StoredCheckpoint:
         or object. Sharded tensors come back whole, per-rank items as ``rank``'s."""
         return self.view(rank, keys).read(allow_pickle=allow_pickle, workers=workers)
 
+    def read_into(
+        self,
+        live: Mapping[str, torch.Tensor],
+        keys: Iterable[str] | None = None,
+        allow_pickle: bool = False,
+        rank: int = 0,
+        workers: int = 4,
+    ) -> LiveRead:
+        """:meth:`read`, the items with a tensor in ``live`` (by key) to be read straight into it: see
+        :meth:`RankView.read_into`."""
+        return self.view(rank, keys).read_into(live, allow_pickle=allow_pickle, workers=workers)
+
     def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
         """Every checksum of it recomputed (data frames, decoded to their end if compressed, and indexes),
         without decoding items or loading anything: each bad file or frame named. Empty when intact."""
@@ -231,6 +256,42 @@ class RankView:
         self.checkpoint.check_sizes()
         wanted = self.keys if keys is None else list(keys)
         return read_view(self.checkpoint.source, self._view, wanted, allow_pickle, workers)
+
+    def read_into(
+        self,
+        live: Mapping[str, torch.Tensor],
+        keys: Iterable[str] | None = None,
+        allow_pickle: bool = False,
+        workers: int = 4,
+        stage: bool = False,
+    ) -> LiveRead:
+        """Items of this view (``keys``, all by default), those that have a live tensor in ``live`` of the
+        stored dtype and shape left to be read straight into it by ``LiveRead.fill()``, with no buffer
+        between (tiers/livefill.py): the frames holding them are verified here, so a damaged copy fails
+        now with nothing touched. Every other item is read as :meth:`read` reads it. ``stage`` fills CPU
+        tensors through the staging block a GPU tensor is filled through (for tests)."""
+        self.checkpoint.check_sizes()
+        wanted = self.keys if keys is None else list(keys)
+        source = self.checkpoint.source
+        records = {
+            key: record for key in self.stored_keys(wanted) if isinstance(record := self._view.items[key], TensorRecord)
+        }
+        chosen: dict[str, torch.Tensor] = {}
+        fill = None
+        if isinstance(source, DirectorySource):  # file descriptors, kept open from verify to fill
+            chosen, frames = plan(self._view, records, live)
+            fill = LiveFill(source.directory, self._view, chosen, frames, workers, stage) if chosen else None
+        try:
+            if fill is not None:
+                fill.verify()
+            rest = [key for key in wanted if self.stored_key(key) not in chosen]
+            values = read_view(source, self._view, rest, allow_pickle, workers) if rest else {}
+        except BaseException:
+            if fill is not None:
+                fill.close()
+            raise
+        state = {k: chosen[s] if (s := self.stored_key(k)) in chosen else values[k] for k in wanted}
+        return LiveRead(state, None if fill is None else fill.fill)
 
     def read_regions(self, regions: Sequence[Region], workers: int = 4) -> RegionsRead:
         """One tensor per region (a box of a stored tensor), in one verified pass over the frames needed."""

@@ -4,7 +4,8 @@ A torch optimizer keeps the tensors ``load_state_dict`` is given, so ``Optimizer
 any that alias its input, in case the caller reuses that memory. Tensors a restore has just read
 into fresh buffers are nobody else's, and copying them cost ~0.2 s per GB of moments on every
 restore; the restore says so in the state it hands over (``ReadState.fresh``). Anything else (a
-caller's own tensors, tied storage) is still copied.
+caller's own tensors, tied storage) is still copied. Where the optimizer already holds tensors of the
+stored shapes, the restore reads straight into them instead (tiers/livefill.py): nothing to hand over.
 """
 
 from __future__ import annotations
@@ -73,18 +74,35 @@ def test_a_read_is_fresh_except_shared_or_empty_storage() -> None:
     assert list(state) == list(read) and all(state[key] is value for key, value in read.items())
 
 
-def test_runner_restore_hands_read_tensors_to_the_optimizer(make_runner) -> None:
+def test_runner_restore_reads_straight_into_the_optimizers_own_tensors(make_runner) -> None:
     model, optimizer = _trained()
     runner = make_runner()
     runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
     runner.checkpoint(1).result()
     expected = {(i, k): v.clone() for i, s in enumerate(optimizer.state.values()) for k, v in s.items()}
-    before = {v.untyped_storage().data_ptr() for v in _kept(optimizer)}
+    before = {id(v): v.untyped_storage().data_ptr() for v in _kept(optimizer)}
     for v in _kept(optimizer):
         v.zero_()
     runner.restore(1)
-    # Copied, the values would have gone into the tensors the optimizer had; kept, it holds the read buffers.
-    assert not any(v.untyped_storage().data_ptr() in before for v in _kept(optimizer) if v.numel())
+    # Neither copied nor handed over: the stored bytes were read into the very tensors it had (tiers/livefill.py).
+    assert {id(v): v.untyped_storage().data_ptr() for v in _kept(optimizer)} == before
     for i, s in enumerate(optimizer.state.values()):
+        for k, v in s.items():
+            assert torch.equal(v, expected[(i, k)])
+
+
+def test_runner_restore_hands_read_tensors_to_an_optimizer_without_state(make_runner) -> None:
+    model, optimizer = _trained()
+    runner = make_runner()
+    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
+    runner.checkpoint(1).result()
+    expected = {(i, k): v.clone() for i, s in enumerate(optimizer.state.values()) for k, v in s.items()}
+    runner.close()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)  # no state until the restore brings it
+    runner = make_runner()
+    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(fresh))
+    runner.restore(1)
+    assert {(i, k) for i, s in enumerate(fresh.state.values()) for k in s} == set(expected)
+    for i, s in enumerate(fresh.state.values()):
         for k, v in s.items():
             assert torch.equal(v, expected[(i, k)])

@@ -2,7 +2,8 @@
 
 Reading a checkpoint is layers, each importing only layers below it: ``source`` (where bytes come
 from: a directory, a bucket prefix), ``pieces`` (frames -> verified bytes in byte buffers),
-``reshard`` (boxes of sharded tensors across rank files), ``reader`` (whole items), and on top
+``reshard`` (boxes of sharded tensors across rank files), ``reader`` (whole items), ``livefill``
+(stored tensors straight into live ones, beside ``reshard``), and on top
 ``stored`` (one object per stored checkpoint), the only one read from outside. The rank file-name
 grammar has one home, ``names``. Between packages: pipeline may import providers and tiers; neither
 imports pipeline; the pipeline, the integrations and the CLI read checkpoints only through ``stored``.
@@ -77,12 +78,14 @@ def test_reading_layers_import_only_downwards() -> None:
     assert "pieces" in graph["reshard"] and not graph["reshard"] & {"reader", "stored"}
     assert {"pieces", "reshard"} <= graph["reader"] and "stored" not in graph["reader"]
     assert {"reader", "reshard", "multirank", "source"} <= graph["stored"]
+    assert "pieces" in graph["livefill"] and not graph["livefill"] & {"reshard", "reader", "stored"}
+    assert "livefill" in graph["stored"]
     assert not graph["names"]  # the file-name grammar needs nothing: any module may use it
 
 
 PACKAGES = {"pipeline": REPO / "pipeline", "providers": REPO / "providers", "tiers": TIERS}
 OUTSIDE = {"integrations": REPO / "src" / "tierstate" / "integrations", "cli": REPO / "src" / "tierstate" / "cli"}
-READING_INTERNALS = {"reader", "reshard", "pieces", "source"}  # read only through tiers.stored
+READING_INTERNALS = {"reader", "reshard", "pieces", "source", "livefill"}  # read only through tiers.stored
 
 
 def _targets(path: Path, package: str) -> set[str]:

@@ -1,0 +1,178 @@
+"""Restoring straight into live tensors (tiers/livefill.py): verified first, then read once into them.
+
+Real checkpoints written by a runner (1 MiB chunks, so a 3 MiB tensor spans frames and small ones
+share one), real tensors as destinations, real bytes flipped in the data file. A damaged copy fails
+in the first pass with no live tensor touched; a frame changed between the passes fails the second.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import ModuleProvider, OptimizerProvider, TensorDictProvider
+from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint
+
+MiB = 1 << 20
+SHM = Path("/dev/shm")
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "big": torch.randn(3 * MiB // 4),  # three 1 MiB chunks and a tail: pieces in several frames
+        "small": torch.randn(100),
+        "grid": torch.randn(64, 48),
+        "half": torch.randn(1000).to(torch.bfloat16),
+    }
+
+
+def _saved(make_runner, weights: dict[str, torch.Tensor]) -> Path:  # noqa: ANN001
+    runner = make_runner(chunk_size="1MiB")
+    runner.register(model=TensorDictProvider(weights))
+    return runner.checkpoint(1).result().path
+
+
+def _scrambled(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Live tensors of the same dtypes and shapes, holding other values."""
+    return {f"model/{key}": torch.full_like(value, 7) for key, value in weights.items()}
+
+
+def _data_file(directory: Path) -> Path:
+    return next(directory.glob("*.data"))
+
+
+def _flip(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["direct", "staged"])
+def test_read_into_fills_the_live_tensors_themselves_bit_exact(make_runner, stage: bool) -> None:  # noqa: ANN001
+    weights = _weights()
+    directory = _saved(make_runner, weights)
+    live = _scrambled(weights)
+    before = {key: t.data_ptr() for key, t in live.items()}
+    read = StoredCheckpoint(directory, 1).view().read_into(live, stage=stage)
+    assert read.fill is not None
+    assert all(read.values[key] is live[key] for key in live)  # the live tensors, not copies of them
+    assert all(bool((t == 7).all()) for t in live.values())  # verified, nothing read in yet
+    read.fill()
+    for key, value in weights.items():
+        assert torch.equal(live[f"model/{key}"], value), key
+    assert {key: t.data_ptr() for key, t in live.items()} == before
+
+
+def test_a_destination_that_does_not_fit_is_read_into_a_buffer_of_its_own(make_runner) -> None:  # noqa: ANN001
+    weights = _weights()
+    directory = _saved(make_runner, weights)
+    live = _scrambled(weights)
+    live["model/grid"] = torch.full((48, 64), 7.0).t()  # the stored shape, but not contiguous
+    live["model/small"] = torch.full((100,), 7, dtype=torch.float64)  # another dtype
+    read = StoredCheckpoint(directory, 1).view().read_into(live)
+    assert read.fill is not None
+    read.fill()
+    for key in ("grid", "small"):
+        value = read.values[f"model/{key}"]
+        assert value is not live[f"model/{key}"] and value.is_contiguous()
+        assert torch.equal(value, weights[key])
+        assert bool((live[f"model/{key}"] == 7).all())  # left for its provider to copy into
+    assert torch.equal(live["model/big"], weights["big"])
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0], ids=["first-byte", "middle", "last-byte"])
+def test_a_flipped_byte_anywhere_in_a_frame_fails_the_first_pass_with_nothing_written(
+    make_runner,  # noqa: ANN001
+    where: float,
+) -> None:
+    weights = _weights()
+    directory = _saved(make_runner, weights)
+    checkpoint = StoredCheckpoint(directory, 1)
+    data = _data_file(directory)
+    frames = checkpoint.manifest.files[data.name].frames
+    index = max(range(len(frames)), key=lambda i: frames[i].length)  # a whole 1 MiB frame of "big"
+    frame = frames[index]
+    _flip(data, frame.offset + min(int(frame.length * where), frame.length - 1))
+    live = _scrambled(weights)
+    with pytest.raises(CorruptCheckpointError, match=rf"{data.name} frame {index}: checksum mismatch"):
+        checkpoint.view().read_into(live)
+    assert all(bool((t == 7).all()) for t in live.values())
+
+
+def test_a_frame_changed_between_the_passes_fails_the_second(make_runner) -> None:  # noqa: ANN001
+    weights = _weights()
+    directory = _saved(make_runner, weights)
+    checkpoint = StoredCheckpoint(directory, 1)
+    read = checkpoint.view().read_into(_scrambled(weights))
+    data = _data_file(directory)
+    frame = checkpoint.manifest.files[data.name].frames[-1]
+    _flip(data, frame.offset + frame.length // 2)
+    assert read.fill is not None
+    with pytest.raises(CorruptCheckpointError, match=r"second read .* changed in place after it was verified"):
+        read.fill()
+
+
+@pytest.fixture
+def memory_dir(tmp_path: Path) -> Iterator[Path]:
+    """A fresh tmpfs directory where /dev/shm is usable (what a memory tier is), else under tmp_path."""
+    if SHM.is_dir() and shutil.disk_usage(SHM).free > 256 * MiB:
+        path = SHM / f"tierstate-test-{uuid.uuid4().hex}"
+        yield path
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        yield tmp_path / "memory"
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 768), torch.nn.ReLU(), torch.nn.Linear(768, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 1024)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    moments = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return list(model.state_dict().values()) + moments
+
+
+def test_runner_restore_from_the_memory_tier_reads_into_the_live_model_and_optimizer(memory_dir: Path) -> None:
+    model, optimizer = _trained()
+    runner = Runner.from_dict({
+        "chunk_size": "1MiB",
+        "host_cache": {"size": "16MiB"},
+        "tiers": {"memory": {"kind": "memory", "path": str(memory_dir), "size": "64MiB",
+                             "retention": {"keep_last": 1}}},
+    })  # fmt: skip
+    try:
+        runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
+        runner.checkpoint(1).result()
+        expected = [t.clone() for t in _tensors(model, optimizer)]
+        identities = [t.data_ptr() for t in _tensors(model, optimizer)]
+        with torch.no_grad():
+            for t in _tensors(model, optimizer):
+                t.fill_(3)
+        data = _data_file(memory_dir / "step-1")
+        frame = StoredCheckpoint(memory_dir / "step-1").manifest.files[data.name].frames[-1]
+        _flip(data, frame.offset + frame.length - 1)  # the last frame: every other one is fine
+        with pytest.raises(Exception, match="checksum mismatch"):
+            runner.restore(1)
+        assert all(bool((t == 3).all()) for t in _tensors(model, optimizer))  # nothing half applied
+        _flip(data, frame.offset + frame.length - 1)  # repaired
+        result = runner.restore(1)
+        assert result.tier == "memory"
+        assert [t.data_ptr() for t in _tensors(model, optimizer)] == identities  # read in, not handed over
+        for got, want in zip(_tensors(model, optimizer), expected, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        runner.close()
