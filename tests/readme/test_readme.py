@@ -4,6 +4,8 @@
   config, one without is a section of the packaged default (as the README introduces them).
 * ``python``: run in a subprocess of this Python, in the scenario's working directory, after the
   scenario's prelude, which defines the stand-ins its README comment names (``model``, ``runner``...).
+  Python blocks of one scenario that follow each other run as one program (the later continue the
+  earlier: they see its names); files carry over between all blocks of a scenario.
   A block whose first line is ``# FILE — run with: COMMAND`` is written to FILE and run by COMMAND.
 * ``console``: each ``$ `` line run by bash in that directory; it must exit 0 (or the status the
   README shows: ``Killed``, or an ``echo $?`` after it), and where the README shows output, the
@@ -292,26 +294,40 @@ def test_blocks_run_as_written(name: str, tmp_path: Path) -> None:
         scenario.prepare(workdir)
     with (scenario.serve or nullcontext)() as served:
         env = {**standins.environment(tmp_path / "bin"), **(served or {})}
-        for block in _groups()[name]:
-            if block.language == "python":
-                _run_python(block, scenario, workdir, env)
-            elif block.language == "console":
-                _run_commands(console_commands(block), workdir, env)
-            elif block.language == "bash":
-                _run_commands(bash_commands(block), workdir, env)
+        for program in _programs(_groups()[name]):
+            if program[0].language == "python":
+                _run_python(program, scenario, workdir, env)
+            elif program[0].language == "console":
+                _run_commands(console_commands(program[0]), workdir, env)
+            elif program[0].language == "bash":
+                _run_commands(bash_commands(program[0]), workdir, env)
             else:
-                _check_config_errors(block, workdir)
+                _check_config_errors(program[0], workdir)
     if scenario.check is not None:
         scenario.check(workdir)
+
+
+def _programs(group: list[Block]) -> list[list[Block]]:
+    """A scenario's blocks as they run: Python blocks that follow each other make one program (a block
+    continuing the one before sees its names); every other block runs alone."""
+    programs: list[list[Block]] = []
+    for block in group:
+        if block.language == "python" and programs and programs[-1][-1].language == "python":
+            programs[-1].append(block)
+        else:
+            programs.append([block])
+    return programs
 
 
 RUN_WITH = re.compile(r"#\s*(\S+\.py)\s*\W+\s*run with:\s*(.+)$")
 
 
-def _run_python(block: Block, scenario: Scenario, workdir: Path, env: dict[str, str]) -> None:
-    source = f"{PRELUDE}{scenario.prelude}\n# --- README ---\n{block.text}\n# --- checks ---\n{scenario.epilogue}"
-    first = RUN_WITH.match(block.text.splitlines()[0])
-    script = workdir / (first.group(1) if first else f"readme_{block.line}.py")
+def _run_python(program: list[Block], scenario: Scenario, workdir: Path, env: dict[str, str]) -> None:
+    readme = "\n".join(block.text for block in program)
+    source = f"{PRELUDE}{scenario.prelude}\n# --- README ---\n{readme}\n# --- checks ---\n{scenario.epilogue}"
+    where = ", ".join(block.where for block in program)
+    first = RUN_WITH.match(readme.splitlines()[0])
+    script = workdir / (first.group(1) if first else f"readme_{program[0].line}.py")
     script.write_text(source)
     command = first.group(2) if first else f"{sys.executable} {script.name}"
     done = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
@@ -320,7 +336,7 @@ def _run_python(block: Block, scenario: Scenario, workdir: Path, env: dict[str, 
         ranks = int(re.search(r"--nproc_per_node[= ](\d+)", command).group(1))
         if all((workdir / f".finished-rank-{rank}").exists() for rank in range(ranks)):
             return
-    assert done.returncode == 0, f"{block.where} ({command}) failed:\n{output}"
+    assert done.returncode == 0, f"{where} ({command}) failed:\n{output}"
 
 
 def _run_commands(commands: list[Command], workdir: Path, env: dict[str, str]) -> None:
