@@ -102,8 +102,9 @@ def restore_across_ranks(
         seconds = time.perf_counter() - started
         # bytes_read: this rank's reads, not the whole copy
         return RestoreResult(
-            step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems), served, kept
-        )
+            step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems), served, kept,
+            source=str(tier.step_dir(step)),
+        )  # fmt: skip
     raise NoCheckpointError(unusable(wanted, fallback, problems))
 
 

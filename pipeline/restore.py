@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ from ..providers.composite import CompositeProvider
 from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.gcpause import gc_paused
+from ..tiers.s3tier import S3Tier
+from ..tiers.source import ByteSource
 from ..tiers.stored import StoredCheckpoint
 
 log = logging.getLogger("tierstate")
@@ -46,13 +48,14 @@ class NothingToRestoreError(NoCheckpointError):
 class RestoreResult:
     step: int
     tier: str
-    path: Path
+    path: Path | None  # the directory read; None for a copy read from a bucket (``source`` names it)
     bytes_read: int
     seconds: float
     problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
     tier_by_rank: tuple[str, ...] = ()  # the tier that served each rank's part, by rank (``tier`` is this rank's)
     # Rank-local providers left as they were: the checkpoint, saved by fewer ranks, holds none of this rank's state.
     kept: tuple[str, ...] = ()
+    source: str = ""  # where this rank's copy was read: its directory, or ``s3://bucket/prefix/step-N``
 
 
 def nearest_first(tiers: list[FilesystemTier], peer_copies: list[FilesystemTier] | None = None) -> list[FilesystemTier]:
@@ -75,6 +78,17 @@ def candidate_steps(held: Collection[int], which: int | str, fallback: bool) -> 
     the older steps of ``held``, newest first. ``which`` comes first even if not held (its error names it)."""
     wanted = max(held) if checked_target(which) == "latest" else int(which)
     return [wanted] + (sorted((s for s in held if s < wanted), reverse=True) if fallback else [])
+
+
+Copy = tuple[str, Path | ByteSource]  # a tier's name, and where its copy of a step is
+
+
+def copies_of(step: int, tiers: Sequence[FilesystemTier], buckets: Sequence[S3Tier]) -> list[Copy]:
+    """Each copy of ``step`` as (tier name, location), nearest first: the tiers' directories in their
+    order, then the buckets' prefixes, the slowest copy and so the last resort (read where they are,
+    through the same reader, every frame verified)."""
+    local: list[Copy] = [(t.name, t.step_dir(step)) for t in tiers if step in t.steps()]
+    return local + [(b.name, b.source(step)) for b in buckets if step in b.steps()]
 
 
 def tier_roots(tiers: list[FilesystemTier]) -> str:
@@ -116,6 +130,7 @@ def restore_into(
     which: int | str,
     allow_pickle: bool,
     fallback: bool = False,
+    buckets: Sequence[S3Tier] = (),
 ) -> RestoreResult:
     """Restore ``which`` into ``provider``'s children; only their items are read.
 
@@ -125,9 +140,10 @@ def restore_into(
     Another tier's copy of the same step is always tried, since it holds the same verified bytes.
     An older step is tried only with ``fallback``, because it silently loses training progress
     otherwise; every copy skipped is logged and listed in the result's ``problems``, and so is every
-    ``step-N`` directory passed over that is no checkpoint (it lost its manifest).
+    ``step-N`` directory passed over that is no checkpoint (it lost its manifest). ``buckets`` hold
+    copies too, tried after every tier's copy of the same step (before an older step).
     """
-    held = {s for tier in tiers for s in tier.steps()}
+    held = {s for tier in [*tiers, *buckets] for s in tier.steps()}
     if checked_target(which) == "latest" and not held:
         lost = lost_steps(tiers, 0)
         if lost:  # checkpoints were there and are damaged: not a fresh start
@@ -139,23 +155,24 @@ def restore_into(
         refuse_lost_newer(tiers, candidates[0])
     problems: list[str] = []
     for step in candidates:
-        for tier in tiers:
-            if step not in tier.steps():
-                continue
+        for name, location in copies_of(step, tiers, buckets):
             started = time.perf_counter()
             try:
                 # Locked: retention cannot delete it while it is being read.
-                with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
-                    require_providers(checkpoint, provider, f"restore step {step} from {tier.step_dir(step)}")
+                with StoredCheckpoint.locked(location, step) as checkpoint:
+                    require_providers(checkpoint, provider, f"restore step {step} from {checkpoint.where}")
                     keys = checkpoint.keys_of(provider.children)
                     read = checkpoint.read_into(provider.restore_destinations(), keys, allow_pickle=allow_pickle)
                     state = fresh_read(read.values, read.fill)
             except StoredCheckpoint.COPY_ERRORS as exc:
-                log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, exc)
-                problems.append(f"step {step} on tier {tier.name}: {exc}")
+                log.warning("restore step %d: copy on tier %s is unusable: %s", step, name, exc)
+                problems.append(f"step {step} on tier {name}: {exc}")
                 continue
             if step != candidates[0]:
                 log.warning("restore: step %d is unusable, fell back to step %d", candidates[0], step)
+            if checkpoint.directory is None:
+                log.warning("restore step %d: read from tier %s (%s), no nearer copy was usable", step, name,
+                            checkpoint.where)  # fmt: skip
             lost = lost_steps(tiers, step, newest)
             for problem in lost:
                 log.warning("restore: passed over %s", problem)
@@ -164,8 +181,9 @@ def restore_into(
             seconds = time.perf_counter() - started
             problems = lost + problems
             return RestoreResult(
-                step, tier.name, tier.step_dir(step), checkpoint.stored_bytes, seconds, tuple(problems), (tier.name,)
-            )
+                step, name, checkpoint.directory, checkpoint.stored_bytes, seconds, tuple(problems), (name,),
+                source=checkpoint.where,
+            )  # fmt: skip
     problems = lost_steps(tiers, min(candidates), newest) + problems
     raise NoCheckpointError(unusable(candidates[0], fallback, problems))
 

@@ -352,7 +352,8 @@ class Runner:
     # --- restore ------------------------------------------------------------------------------
     def restore(self, which: int | str = "latest", fallback: bool = False) -> RestoreResult:
         """Load a committed checkpoint into the registered providers, in place; nearest copy first
-        (this node's memory and NVMe, then the shared tiers), falling back on a missing or corrupt one.
+        (this node's memory and NVMe, then the shared tiers, then a bucket's), falling back on a missing or
+        corrupt one.
 
         ``fallback=True``: if no copy of ``which`` reads clean, take the newest older step that does.
         """
@@ -366,7 +367,9 @@ class Runner:
         tiers = nearest_first(self.tiers, returned)
         if self._group is not None:
             return restore_across_ranks(self._group, self.providers, tiers, which, allow_pickle, fallback)
-        return restore_into(self.providers, tiers, which, allow_pickle=allow_pickle, fallback=fallback)
+        return restore_into(
+            self.providers, tiers, which, allow_pickle=allow_pickle, fallback=fallback, buckets=self._buckets.tiers
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

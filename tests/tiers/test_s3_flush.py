@@ -18,6 +18,7 @@ import s3server
 
 from conftest import REPO
 from tierstate.pipeline.config import ConfigError
+from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier, TierError
 from tierstate.tiers.objstore import ObjectStore
@@ -144,3 +145,56 @@ def test_local_retention_keeps_a_step_until_its_paced_upload_is_done(make_runner
     # Held past keep_last while queued for the bucket (without the hold, step 2, queued behind step 1's
     # half-second upload, is pruned when step 3 commits and its flush fails); the next prune takes them.
     assert FilesystemTier("nvme", tmp_path / "nvme").steps() == [1, 2, 3]
+
+
+def _damage(step_dir, how: str) -> None:
+    data = step_dir / "rank-00000.data"
+    if how == "missing file":
+        data.unlink()
+        return
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40  # one bit in the middle of a frame
+    data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["corrupt frame", "missing file"])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_damaged_local_copy_falls_back_to_the_buckets_copy_of_that_step(
+    make_runner, endpoint, bucket, tmp_path, caplog, how, fallback
+):
+    url = f"s3://{bucket}/fallback"
+    state = {"w": torch.randn(MiB), "b": torch.arange(1000, dtype=torch.int64)}
+    runner = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, url, retention={"keep_last": 3}))
+    runner.register(model=TensorDictProvider(state))
+    for step in (1, 2):
+        state["w"].add_(1)
+        runner.checkpoint(step).result()
+    expected = {k: v.clone() for k, v in state.items()}
+    runner.close()
+    assert runner.flush_failures == []
+    _damage(tmp_path / "nvme" / "step-2", how)  # the only local copy of step 2 (default.yaml flushes none to pfs)
+    restored = {k: torch.zeros_like(v) for k, v in state.items()}
+    again = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, url))
+    again.register(model=TensorDictProvider(restored))
+    with caplog.at_level("WARNING", logger="tierstate"):
+        result = again.restore(fallback=fallback)  # with fallback too: the same step from the bucket, not step 1
+    assert (result.step, result.tier, result.path, result.source) == (2, "bucket", None, f"{url}/step-2")
+    assert all(torch.equal(restored[k].view(torch.uint8), expected[k].view(torch.uint8)) for k in expected)
+    (problem,) = result.problems
+    assert problem.startswith("step 2 on tier nvme:") and "rank-00000.data" in problem
+    assert f"read from tier bucket ({url}/step-2)" in caplog.text
+
+
+def test_a_damaged_bucket_copy_is_not_taken_either(make_runner, endpoint, bucket, tmp_path):
+    url = f"s3://{bucket}/both"
+    runner = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, url))
+    runner.register(model=TensorDictProvider({"w": torch.randn(MiB)}))
+    runner.checkpoint(1).result()
+    runner.close()
+    _damage(tmp_path / "nvme" / "step-1", "corrupt frame")
+    tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint))
+    tier.store.delete(["step-1/rank-00000.data"])
+    again = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, url))
+    again.register(model=TensorDictProvider({"w": torch.zeros(MiB)}))
+    with pytest.raises(NoCheckpointError, match="step 1 on tier nvme: .*step 1 on tier bucket: .*rank-00000.data"):
+        again.restore()
