@@ -1,8 +1,12 @@
-"""Benchmark 3: restore time and GB/s vs torch.load and DCP load, next to the disk's read bandwidth.
+"""Benchmark 3: restore time and GB/s vs torch.load and DCP load, next to the disk's read bandwidth and memcpy.
 
 The same GPT state is saved once by each method; then, interleaved for ``--repeats`` rounds, each
 checkpoint is restored into the LIVE model and optimizer (what resuming a run needs): tierstate
-``runner.restore(step)`` (reads every frame, verifies its xxh3 checksum, loads in place);
+``runner.restore(step)`` (reads every frame, verifies its xxh3 checksum, loads in place), from its
+NVMe tier (``tierstate``) and from a memory tier (``tierstate(memory)``: ``kind: memory`` in
+/dev/shm, what a restart on the same node reads); ``memcpy``, the floor of any restore into live
+tensors: a host copy of every tensor taken once (untimed), copied with ``dst.copy_(src)`` into the
+live parameters and AdamW moments;
 ``torch.load`` (+ ``mmap=True``) followed by ``load_state_dict``; DCP ``load`` in place followed by
 ``load_state_dict``. Before every restore the live state is overwritten (untimed) and afterwards
 its fingerprint is checked, so a restore that loads nothing cannot look fast.
@@ -15,13 +19,19 @@ file of the same size, in the same rounds.
 
     python benchmarks/restore.py                  # full GPT state, ~4 min
     python benchmarks/restore.py --preset small --repeats 1
+    python benchmarks/restore.py --methods memcpy,tierstate(memory),tierstate   # without the competitors
+    python benchmarks/restore.py --memory-dir /mnt/huge-tmpfs    # a memory tier on another tmpfs
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import torch
 from harness.checkpointer import Checkpointer
 from harness.cli import parser
 from harness.competitors import TorchSaveCheckpointer
@@ -32,15 +42,47 @@ from harness.methods import closing_all, make_checkpointers
 from harness.paths import bench_root
 from harness.report import Report, progress, publish
 from harness.stats import interleave, median
-from harness.tierstate_checkpointer import cache_for
+from harness.tensors import iter_tensors
+from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
 from harness.timing import time_save
 from harness.units import fmt_bytes, fmt_ratio, fmt_s, gbps
 
 DISK = ["disk cold read", "disk O_DIRECT read"]
-METHODS = ["tierstate", "torch.load", "torch.load(mmap)", "dcp.load"]
+MEMCPY = "memcpy"
+MEMORY = "tierstate(memory)"
+ALL = [MEMCPY, MEMORY, "tierstate", "torch.load", "torch.load(mmap)", "dcp.load"]
 SAVED_BY = {"tierstate": "tierstate", "torch.load": "torch.save", "torch.load(mmap)": "torch.save",
             "dcp.load": "dcp.save"}
-SAVERS = list(dict.fromkeys(SAVED_BY.values()))
+SHM = Path("/dev/shm")
+
+
+def live_tensors(state: GPTState) -> list[torch.Tensor]:
+    """The live parameters, buffers and AdamW moments (views of them: what a restore writes into)."""
+    return list(iter_tensors(state.state_dict()))
+
+
+def timed_memcpy(state: GPTState, sources: list[torch.Tensor]) -> float:
+    """Scramble, copy every tensor's saved bytes (already in host memory) into the live one, check; seconds."""
+    expected = state.digest()
+    state.scramble()
+    live = live_tensors(state)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for dst, src in zip(live, sources, strict=True):
+            dst.copy_(src)
+    elapsed = time.perf_counter() - started
+    if state.digest() != expected:
+        raise RuntimeError("memcpy: restored state differs")
+    return elapsed
+
+
+def memory_tier(state: GPTState, directory: Path, cache_bytes: int) -> TierstateCheckpointer:
+    """tierstate persisting to a memory tier (``kind: memory``) at ``directory`` (a tmpfs), holding one step."""
+    tier = {"path": str(directory), "kind": "memory", "size": 4 * state.tensor_bytes, "retention": {"keep_last": 1}}
+    ckpt = TierstateCheckpointer(state, directory, cache_bytes=cache_bytes, overrides={"tiers": {"nvme": tier}})
+    ckpt.name = MEMORY
+    ckpt.setup += f"; persist tier kind: memory at {directory}"
+    return ckpt
 
 
 def timed_restore(state: GPTState, ckpt: Checkpointer, step: int, cold: bool, mmap_load: bool) -> float:
@@ -61,57 +103,74 @@ def timed_restore(state: GPTState, ckpt: Checkpointer, step: int, cold: bool, mm
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser("restore", __doc__, preset="full", repeats=3).parse_args(argv)
+    cli = parser("restore", __doc__, preset="full", repeats=3, methods=ALL)
+    cli.add_argument("--memory-dir", type=Path, default=SHM, help="the tmpfs of the memory tier (default /dev/shm)")
+    args = cli.parse_args(argv)
+    methods = [m for m in ALL if m in args.methods.split(",")]
     facts = start_run()
     state = build_gpt(args.preset)
     nbytes = state.tensor_bytes
     can_drop = drop_caches()
-    cold: dict[str, list[float]] = {name: [] for name in DISK + METHODS}
-    warm: dict[str, list[float]] = {name: [] for name in METHODS}
+    cold: dict[str, list[float]] = {name: [] for name in DISK + methods}
+    warm: dict[str, list[float]] = {name: [] for name in methods if name != MEMCPY}
     step = 1
+    savers_wanted = list(dict.fromkeys(SAVED_BY[m] for m in methods if m in SAVED_BY))
+    shm = Path(tempfile.mkdtemp(prefix="tierstate-bench-restore-", dir=args.memory_dir))
     with (
         bench_root("restore") as root,
-        closing_all(make_checkpointers(SAVERS, state, root, cache_bytes=cache_for(nbytes))) as savers,
+        closing_all(make_checkpointers(savers_wanted, state, root, cache_bytes=cache_for(nbytes))) as savers,
+        closing_all({MEMORY: memory_tier(state, shm, cache_for(nbytes))} if MEMORY in methods else {}) as memory,
     ):
+        savers |= memory
         for saver in savers.values():
             time_save(saver, step)
+        sources = [t.detach().clone() for t in live_tensors(state)] if MEMCPY in methods else []
         probe = root / "disk-probe.bin"
         disk_write_seconds(probe, nbytes, direct=True)
-        for repeat, name in interleave(DISK + METHODS, args.repeats):
+        for repeat, name in interleave(DISK + methods, args.repeats):
             if name in DISK:
                 cold[name].append(disk_read_seconds(probe, direct=name == "disk O_DIRECT read"))
                 line = f"{cold[name][-1]:.2f} s"
+            elif name == MEMCPY:
+                cold[name].append(timed_memcpy(state, sources))
+                line = f"{cold[name][-1]:.3f} s"
             else:
-                ckpt = savers[SAVED_BY[name]]
+                ckpt = savers[SAVED_BY.get(name, name)]
                 mmap_load = name == "torch.load(mmap)"
                 cold[name].append(timed_restore(state, ckpt, step, cold=can_drop, mmap_load=mmap_load))
                 warm[name].append(timed_restore(state, ckpt, step, cold=False, mmap_load=mmap_load))
-                line = f"cold {cold[name][-1]:.2f} s warm {warm[name][-1]:.2f} s"
+                line = f"cold {cold[name][-1]:.3f} s warm {warm[name][-1]:.3f} s"
             progress(f"round {repeat + 1} {name:20s} {line}")
-        stored = {name: savers[SAVED_BY[name]].stored_bytes(step) for name in METHODS}
+        stored = {name: savers[SAVED_BY.get(name, name)].stored_bytes(step) for name in methods if name != MEMCPY}
+    shutil.rmtree(shm, ignore_errors=True)
 
     disk_s = min(median(cold["disk cold read"]), median(cold["disk O_DIRECT read"]))
     label = "cold" if can_drop else "warm (drop_caches refused)"
     report = Report(
         "restore",
         f"Restore into the live model + AdamW: {fmt_bytes(nbytes)} of GPT state, median of {args.repeats} rounds",
-        ["method", f"{label}", "GB/s", "÷ bytes/disk bw", "torch.load÷this", "dcp.load÷this", "warm", "warm GB/s"],
+        ["method", f"{label}", "GB/s", "÷ bytes/disk bw", "÷ memcpy", "torch.load÷this", "dcp.load÷this",
+         "warm", "warm GB/s", "warm ÷ memcpy"],
     )
-    base_torch = median(cold["torch.load"])
-    base_dcp = median(cold["dcp.load"])
-    for name in DISK + METHODS:
+    base = {name: median(cold[name]) for name in ("torch.load", "dcp.load", MEMCPY) if name in cold}
+    for name in DISK + methods:
         t = median(cold[name])
-        w = median(warm.get(name, []))
+        w = median(warm[name]) if name in warm else None
+        restores = name in methods and name != MEMCPY
         report.add(
             name, fmt_s(t), f"{gbps(nbytes, t):.2f}", fmt_ratio(t / disk_s),
-            fmt_ratio(base_torch / t) if name in METHODS else "-",
-            fmt_ratio(base_dcp / t) if name in METHODS else "-",
-            fmt_s(w) if name in METHODS else "-",
-            f"{gbps(nbytes, w):.2f}" if name in METHODS else "-",
+            fmt_ratio(t / base[MEMCPY]) if MEMCPY in base else "-",
+            fmt_ratio(base["torch.load"] / t) if restores and "torch.load" in base else "-",
+            fmt_ratio(base["dcp.load"] / t) if restores and "dcp.load" in base else "-",
+            fmt_s(w) if w is not None else "-",
+            f"{gbps(nbytes, w):.2f}" if w is not None else "-",
+            fmt_ratio(w / base[MEMCPY]) if w is not None and MEMCPY in base else "-",
         )
     report.note(f"disk read bandwidth = the better probe, {gbps(nbytes, disk_s):.2f} GB/s; "
                 f"page cache dropped before every cold read: {'yes' if can_drop else 'NO (not permitted)'}")
     report.note("tierstate verifies an xxh3 checksum of every frame while reading; torch.load and DCP verify nothing")
+    report.note("memcpy: dst.copy_(src) of every tensor from a host copy taken beforehand into the live one (the "
+                "floor of any restore into live tensors); a memory tier is tmpfs: its cold and warm reads are alike")
     report.raw = {"state_bytes": nbytes, "cold": cold, "warm": warm, "stored": stored, "dropped": can_drop,
                   "args": vars(args)}
     publish("restore", [report], facts, argv, args.results_dir)

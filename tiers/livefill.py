@@ -141,6 +141,8 @@ class LiveFill:
         self._frames = {key: sorted(t, key=lambda kp: kp[1].offset) for key, t in sorted(frames.items())}
         self._records = {key: manifest.files[key[0]].frames[key[1]] for key in self._frames}
         self._where = {key: f"{directory}/{key[0]} frame {key[1]}" for key in self._frames}
+        order = list(self._frames)
+        self._next = dict(zip(order, order[1:], strict=False))  # the frame read after each, to read ahead
         self._workers = max(1, min(workers, len(self._frames)))
         self._stage = stage
         self._scratch = _Scratch()
@@ -201,6 +203,12 @@ class LiveFill:
             size = os.fstat(fd).st_size
             if end > size:
                 raise CorruptCheckpointError(f"{where}: truncated (the frame ends at byte {end}, the file has {size})")
+            # A cold file: this frame and the next asked of the disk at once (the kernel reads them ahead
+            # asynchronously), not in the block-sized steps the loop below takes; cached pages stay as they are.
+            for ahead in (key, self._next.get(key)):
+                if ahead is not None:
+                    record = self._records[ahead]
+                    os.posix_fadvise(self._fds[ahead[0]], record.offset, record.length, os.POSIX_FADV_WILLNEED)
             hasher = xxhash.xxh3_64()
             if has_holes(fd, frame.offset, frame.length):  # holes hashed as the zeros they read as, not read
                 fed = feed_range(fd, frame.offset, frame.length, hasher)
