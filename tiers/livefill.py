@@ -52,6 +52,7 @@ from .framefile import feed_range, has_holes
 from .pieces import IOV_MAX, CorruptCheckpointError, check_frame, opened_files, scatter_read, tensor_bytes, unreadable
 
 BLOCK = 256 << 10  # per thread: one read's worth, hashed while still in cache (the L2 of the test VM)
+STAGING = 4 << 20  # per thread, pinned with CUDA: few enough host-to-device copies per GB (each one waits)
 Targets = list[tuple[str, Piece]]
 
 
@@ -286,12 +287,12 @@ class LiveFill:
         """A piece read a block at a time into the staging block, hashed, and copied into the destination."""
         staging = self._scratch.staging
         if staging is None:
-            staging = self._scratch.staging = torch.empty(BLOCK, dtype=torch.uint8, pin_memory=_pinned())
+            staging = self._scratch.staging = torch.empty(STAGING, dtype=torch.uint8, pin_memory=_pinned())
         flat = self.destinations[item].detach().reshape(-1).view(torch.uint8)
         view = tensor_bytes(staging)
         done = 0
         while done < piece.length:
-            n = min(BLOCK, piece.length - done)
+            n = min(STAGING, piece.length - done)
             scatter_read(fd, frame.offset + piece.offset + done, [view[:n]], where)
             hasher.update(view[:n])
             at = piece.item_offset + done

@@ -72,6 +72,20 @@ def test_read_into_fills_the_live_tensors_themselves_bit_exact(make_runner, stag
     assert {key: t.data_ptr() for key, t in live.items()} == before
 
 
+def test_a_piece_larger_than_the_staging_block_is_staged_block_by_block(make_runner) -> None:  # noqa: ANN001
+    from tierstate.tiers.livefill import STAGING
+
+    weights = {"huge": torch.randn(9 * STAGING // 4)}  # 9 staging blocks of float32, in 8 MiB frames: 2 per piece
+    runner = make_runner(chunk_size="8MiB", host_cache__size="32MiB")
+    runner.register(model=TensorDictProvider(weights))
+    directory = runner.checkpoint(1).result().path
+    live = _scrambled(weights)
+    read = StoredCheckpoint(directory, 1).view().read_into(live, stage=True)
+    assert read.fill is not None
+    read.fill()
+    assert torch.equal(live["model/huge"], weights["huge"])
+
+
 def test_a_destination_that_does_not_fit_is_read_into_a_buffer_of_its_own(make_runner) -> None:  # noqa: ANN001
     weights = _weights()
     directory = _saved(make_runner, weights)
