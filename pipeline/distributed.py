@@ -36,7 +36,8 @@ from tierstate.errors import TierstateError
 
 from ..providers.items import ObjectItem, TensorItem
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import Manifest, ManifestBody
+from ..tiers.format import ManifestBody
+from ..tiers.manifest import Manifest
 from ..tiers.multirank import RankPart, merge_parts
 from ..tiers.nodeparts import node_part
 from ..tiers.nodes import node_name

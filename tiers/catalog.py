@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .filesystem import FilesystemTier
-from .format import AliasRecord, Manifest, ObjectRecord, PerRankRecord, ShardedRecord
+from .manifest import Manifest
+from .records import AliasRecord, ObjectRecord, PerRankRecord, ShardedRecord
 from .retention import DELETING_SUFFIX, age_of, leftovers
 from .verify import read_stamp
 

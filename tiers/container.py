@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from .codecs import Codec, ShuffleWidth
-from .format import FileRecord
 from .hostcache import Slab
+from .records import FileRecord
 
 Format = Literal["frames", "hdf5"]
 
-#: Where a range of an item's bytes now lies: (item key, a :class:`~tiers.format.Piece` in JSON form,
+#: Where a range of an item's bytes now lies: (item key, a :class:`~tiers.records.Piece` in JSON form,
 #: see :func:`~tiers.format.piece_body`). JSON form because a checkpoint may hold 10^4 tensors.
 ItemPiece = tuple[str, dict[str, Any]]
 

@@ -17,26 +17,13 @@ from typing import TypeVar, get_args
 import torch
 
 from .container import Chunk, ChunkEntry, ContainerWriter, Format
-from .format import (
-    AliasRecord,
-    AnyRecord,
-    FileRecord,
-    Manifest,
-    ManifestError,
-    ObjectRecord,
-    PerRankRecord,
-    Piece,
-    ShardedRecord,
-    TensorRecord,
-    checksum,
-    index_bytes,
-    manifest_bytes,
-    parse_manifest,
-)
+from .format import ManifestError, checksum, index_bytes, manifest_bytes, parse_manifest
 from .framefile import FrameFile
 from .hdf5 import Hdf5Container
+from .manifest import Manifest
 from .names import data_file_name, data_file_rank, hdf5_file_name, index_file_name, parse_rank_file
 from .pieces import read_records
+from .records import AliasRecord, AnyRecord, FileRecord, ObjectRecord, PerRankRecord, Piece, ShardedRecord, TensorRecord
 from .safeopen import write_durably
 
 FORMATS: tuple[str, ...] = get_args(Format)

@@ -38,8 +38,9 @@ from safetensors.torch import save_file
 
 from .convert import write_sliced
 from .dtypes import dtype_from_name
-from .format import ManifestError, ObjectRecord, ShardedRecord, TensorRecord
+from .format import ManifestError
 from .hdf5 import Hdf5Container
+from .records import ObjectRecord, ShardedRecord, TensorRecord
 from .stored import RankView, StoredCheckpoint
 
 ExportFormat = Literal["hdf5", "safetensors", "hf"]

@@ -34,15 +34,9 @@ from typing import Literal
 from tierstate.errors import TierstateError
 
 from . import faults
-from .format import (
-    MANIFEST_NAME,
-    Manifest,
-    ManifestBody,
-    ManifestError,
-    manifest_bytes,
-    read_manifest,
-)
+from .format import ManifestBody, ManifestError, manifest_bytes, read_manifest
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
+from .manifest import MANIFEST_NAME, Manifest
 from .safeopen import is_real_dir, kind_of, make_dir, open_read, write_durably
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")

@@ -1,10 +1,12 @@
-"""The on-disk format: manifest, per-rank index, frame records, checksums.
+"""Reading and writing the on-disk format: manifest and index bytes, their checks, checksums.
 
 A checkpoint directory holds, per rank, one data file (frames appended at aligned offsets) and an
 index (that rank's frames and items, msgpack), and one ``manifest.json`` written last. The manifest
 is the only thing a reader trusts, so it is validated strictly: it carries its own checksum, names
 files only by their plain names, and every offset, length and dtype is checked before a byte of
-data is read. Anything without a valid manifest is not a checkpoint.
+data is read. Anything without a valid manifest is not a checkpoint. The records themselves live
+in tiers/records.py (items, frames, index) and tiers/manifest.py (the manifest); this module turns
+them into bytes and back.
 """
 
 from __future__ import annotations
@@ -13,40 +15,33 @@ import json
 import math
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Any, cast
 
 import msgpack
 import xxhash
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationError,
-    model_serializer,
-    model_validator,
-)
+from pydantic import ValidationError
 
 from tierstate.errors import TierstateError
 
-from .boxes import Box, tiling_problem
-from .codecs import Codec, ShuffleWidth
 from .dtypes import UnknownDtypeError, dtype_from_name
 from .gcpause import gc_paused
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest
 from .names import data_file_name, data_file_rank, parse_rank_file
+from .records import (
+    AliasRecord,
+    AnyRecord,
+    FileRecord,
+    IndexRecord,
+    ItemRecord,
+    PerRankRecord,
+    ShardedRecord,
+    TensorRecord,
+)
 from .safeopen import UnsafeFileError
 from .source import ByteSource, as_source
+from .strict import MAX_BYTES
 
-FORMAT_NAME = "tierstate"
-FORMAT_VERSION = 3  # the newest this reads
-MULTI_RANK_VERSION = 2  # 2 adds the multi-rank kinds "sharded" and "per_rank"
-NODE_PART_VERSION = 3  # 3 adds ``node_part``: a node's part of a checkpoint, on a node-scoped tier
-MANIFEST_NAME = "manifest.json"
-MAX_BYTES = 1 << 50  # far beyond any real checkpoint; rejects absurd sizes before allocation
 ZSTD_MAX_RATIO = 1 << 15  # zstd's densest form, a 4-byte RLE block per 128 KiB: no frame expands more
-
-NonNegative = Annotated[int, Field(ge=0, le=MAX_BYTES)]
-Measure = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # seconds, GB/s
 
 
 class ManifestError(TierstateError, ValueError):
@@ -63,229 +58,6 @@ class MissingItemError(TierstateError, KeyError):
 def checksum(data: bytes | memoryview) -> str:
     """Checksum of one stored frame: xxh3-64, hex. Fast enough to run on every byte we write."""
     return xxhash.xxh3_64_hexdigest(data)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FrameRecord(_Strict):
-    """One chunk as stored: where it is in its data file, how it is encoded, its checksum."""
-
-    offset: NonNegative
-    length: NonNegative
-    raw_length: NonNegative
-    codec: Codec
-    shuffle: ShuffleWidth = 1
-    checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
-
-
-class FileRecord(_Strict):
-    size: NonNegative
-    frames: list[FrameRecord]
-
-
-class Piece(_Strict):
-    """A byte range of one item inside one frame's decoded bytes."""
-
-    file: str
-    frame: NonNegative
-    offset: NonNegative
-    length: NonNegative
-    item_offset: NonNegative
-
-
-class ShardRecord(_Strict):
-    global_shape: list[NonNegative]
-    offsets: list[NonNegative]
-
-
-class TensorRecord(_Strict):
-    kind: Literal["tensor"] = "tensor"
-    dtype: str
-    shape: list[NonNegative]
-    shard: ShardRecord | None = None
-    pieces: list[Piece]
-
-
-class ObjectRecord(_Strict):
-    kind: Literal["object"] = "object"
-    serializer: Literal["json", "msgpack", "pickle"]
-    length: NonNegative
-    pieces: list[Piece]
-
-
-class AliasRecord(_Strict):
-    """An item that is the very same tensor as another (tied weights): stored once."""
-
-    kind: Literal["alias"] = "alias"
-    of: str
-
-
-class ShardedRecord(_Strict):
-    """A global tensor written as shards by several ranks; together the shards tile it exactly once.
-
-    Each shard is a TensorRecord whose ``shard`` places it in the global tensor, so a reader with
-    any world size can reassemble the whole or cut out the box it needs.
-    """
-
-    kind: Literal["sharded"] = "sharded"
-    dtype: str
-    global_shape: list[NonNegative]
-    shards: list[TensorRecord]
-
-    @model_validator(mode="after")
-    def _tiles_global_tensor(self) -> ShardedRecord:
-        for shard in self.shards:
-            if shard.shard is None or shard.shard.global_shape != self.global_shape or shard.dtype != self.dtype:
-                raise ValueError(f"every shard must be {self.dtype} placed in global shape {self.global_shape}")
-        problem = tiling_problem(self.boxes(), self.global_shape)
-        if problem:
-            raise ValueError(problem)
-        return self
-
-    def boxes(self) -> list[Box]:
-        return [Box(tuple(s.shard.offsets), tuple(s.shape)) for s in self.shards if s.shard is not None]
-
-
-RankRecord = Annotated[TensorRecord | ObjectRecord | AliasRecord, Field(discriminator="kind")]
-
-
-class PerRankRecord(_Strict):
-    """An item each rank holds its own value of (RNG state, per-rank counters): one record per rank."""
-
-    kind: Literal["per_rank"] = "per_rank"
-    ranks: dict[Annotated[int, Field(ge=0)], RankRecord]
-
-
-AnyRecord = TensorRecord | ObjectRecord | AliasRecord | ShardedRecord | PerRankRecord
-ItemRecord = Annotated[AnyRecord, Field(discriminator="kind")]
-
-
-def stored_key(key: str, record: AnyRecord) -> str:
-    """The key whose record holds the bytes of item ``key`` (``record``): an alias's target, else ``key``.
-
-    Tied tensors are stored once; every reader that meets an alias reads its target instead.
-    """
-    return record.of if isinstance(record, AliasRecord) else key
-
-
-class NodePart(_Strict):
-    """Marks a manifest as one node's part of a multi-rank checkpoint (on a node-scoped tier).
-
-    Its ``items`` are the whole checkpoint's, but ``files`` and ``indexes`` list only those of
-    ``ranks`` (this node's), so pieces may lie in files of other nodes' ranks, which are not here.
-    ``nodes``: every node holding a part, so a flush knows when all of them reached a shared tier.
-    """
-
-    node: Annotated[str, Field(min_length=1)]
-    ranks: list[Annotated[int, Field(ge=0)]]
-    nodes: list[Annotated[str, Field(min_length=1)]]
-
-
-class StageStatsRecord(_Strict):
-    """One pipeline stage of one rank: units through it, bytes out of it, wall and busy seconds."""
-
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    units: NonNegative
-    bytes: NonNegative
-    seconds: Measure
-    busy_s: Measure
-    gbps: Measure
-    queue_peak: NonNegative
-    queue_bound: NonNegative
-    passed_units: NonNegative = 0  # of ``units``, those handed past it untouched (none before this field)
-
-
-class TimelineEvent(_Strict):
-    """One interval of a rank's checkpoint, in seconds from the request: a stage's work on one unit (or a
-    unit passed through it), a wait for a host-cache slab, the trainer blocked; for ``tierstate stats --trace``."""
-
-    name: Annotated[str, Field(min_length=1, max_length=256)]
-    thread: Annotated[str, Field(max_length=256)]
-    start: Measure
-    end: Measure
-    bytes: NonNegative = 0
-
-
-MAX_TIMELINE = 20_000  # events kept per rank and checkpoint: ~4 per chunk, so a few TB at 64 MiB chunks
-
-
-class RankStatsRecord(_Strict):
-    """What writing one rank's part cost, as that rank measured it (see pipeline/metrics.py).
-
-    Informative only: a reader never trusts it for finding bytes, so it is not checked against the
-    data. Seconds count from the request; written just before the commit, so the commit is not in them.
-    """
-
-    raw_bytes: NonNegative
-    stored_bytes: NonNegative
-    chunks: NonNegative
-    capture_s: Measure
-    written_s: Measure
-    blocked_s: Measure
-    cache_wait_s: Measure
-    eager_tensors: NonNegative
-    eager_bytes: NonNegative
-    stages: list[StageStatsRecord]  # in chain order
-    timeline: Annotated[list[TimelineEvent], Field(max_length=MAX_TIMELINE)] = []  # none before this field
-
-    @model_serializer(mode="wrap")
-    def _empty_timeline_left_out(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """No ``timeline`` key when there is none: the JSON of an older checkpoint is written as it was."""
-        body: dict[str, Any] = dump(self)
-        if not self.timeline:
-            body.pop("timeline", None)
-        return body
-
-
-class Manifest(_Strict):
-    format: Literal["tierstate"] = FORMAT_NAME
-    version: int = 1  # the oldest format that can express it: single-rank manifests stay readable by v1
-    step: NonNegative
-    created: str
-    world_size: Annotated[int, Field(ge=1, le=1 << 20)] = 1
-    files: dict[str, FileRecord]
-    indexes: dict[str, str] = {}
-    items: dict[str, ItemRecord]
-    node_part: NodePart | None = None
-    # What writing each rank's part cost (informative, never used to read). Optional: manifests
-    # written before it, and by tools that measure nothing, stay valid.
-    stats: dict[Annotated[int, Field(ge=0)], RankStatsRecord] | None = None
-
-    @model_serializer(mode="wrap")
-    def _unset_optionals_left_out(self, dump: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """``node_part`` and ``stats`` are left out unless set, so a whole checkpoint's JSON (an older
-        one, migrated or converted) is written as it was, not with nulls older readers would refuse."""
-        body: dict[str, Any] = dump(self)
-        if self.node_part is None:
-            body.pop("node_part", None)
-        if self.stats is None:
-            body.pop("stats", None)
-        return body
-
-    def item_nbytes(self, key: str) -> int:
-        return self.record_nbytes(self.items[key])
-
-    def record_nbytes(self, record: AnyRecord) -> int:
-        """Bytes the record's pieces hold; for the multi-rank kinds, the sum over their parts."""
-        if isinstance(record, AliasRecord):
-            return self.item_nbytes(record.of)
-        if isinstance(record, ObjectRecord):
-            return record.length
-        if isinstance(record, ShardedRecord):
-            return sum(self.record_nbytes(shard) for shard in record.shards)
-        if isinstance(record, PerRankRecord):
-            return sum(self.record_nbytes(part) for part in record.ranks.values())
-        return math.prod(record.shape) * dtype_from_name(record.dtype).itemsize
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
-
-    @property
-    def raw_bytes(self) -> int:
-        return sum(fr.raw_length for f in self.files.values() for fr in f.frames)
 
 
 def now_iso() -> str:
@@ -507,15 +279,6 @@ def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[st
     """One rank's part of the checkpoint, for multi-rank commit and recovery; ``items`` in JSON form."""
     packed = msgpack.packb({"rank": rank, "step": step, "file": file.model_dump(), "items": items})
     return cast(bytes, packed)  # untyped: None comes only from a Packer(autoreset=False), never from packb
-
-
-class IndexRecord(_Strict):
-    """One rank's index file: its data file's frames and the items that rank wrote."""
-
-    rank: Annotated[int, Field(ge=0, lt=1 << 20)]
-    step: NonNegative
-    file: FileRecord
-    items: dict[str, RankRecord]
 
 
 def parse_index(raw: bytes, source: str) -> IndexRecord:

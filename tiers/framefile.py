@@ -36,8 +36,9 @@ import xxhash
 
 from . import faults
 from .container import Chunk, ItemPiece
-from .format import FileRecord, FrameRecord, checksum, piece_body
+from .format import checksum, piece_body
 from .hostcache import Slab
+from .records import FileRecord, FrameRecord
 from .safeopen import create_new, open_existing, reopen
 
 BLOCK = 8 << 20  # read granularity when hashing: large frames are hashed without allocating them whole

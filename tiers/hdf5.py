@@ -33,9 +33,10 @@ from tierstate.errors import TierstateError
 
 from .container import Chunk, ItemPiece, Layout
 from .dtypes import dtype_from_name
-from .format import FileRecord, ShardRecord, piece_body
+from .format import piece_body
 from .framefile import FrameFile
 from .hdf5_extra import h5py_module
+from .records import FileRecord, ShardRecord
 from .safeopen import check_absent
 
 FORMAT_ATTR = "tierstate-hdf5"

@@ -33,7 +33,7 @@ from tierstate.errors import TierstateError
 
 from .dtypes import dtype_from_name
 from .export import SAFETENSORS_NATIVE, ExportReport, Progress, Selection, select, written_whole
-from .format import ObjectRecord, TensorRecord
+from .records import ObjectRecord, TensorRecord
 from .stored import RankView, StoredCheckpoint
 
 WEIGHTS_NAME = "model.safetensors"

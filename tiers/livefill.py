@@ -47,9 +47,10 @@ import xxhash
 from tierstate.errors import TierstateError
 
 from .dtypes import dtype_from_name
-from .format import FrameRecord, Manifest, Piece, TensorRecord
 from .framefile import feed_range, has_holes
+from .manifest import Manifest
 from .pieces import IOV_MAX, CorruptCheckpointError, check_frame, opened_files, scatter_read, tensor_bytes, unreadable
+from .records import FrameRecord, Piece, TensorRecord
 
 BLOCK = 256 << 10  # per thread: one read's worth, hashed while still in cache (the L2 of the test VM)
 STAGING = 4 << 20  # per thread, pinned with CUDA: few enough host-to-device copies per GB (each one waits)

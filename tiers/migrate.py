@@ -34,12 +34,14 @@ from . import faults
 from .container import Format
 from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
-from .format import FileRecord, FrameRecord, Manifest, checksum, manifest_bytes
+from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
 from .locks import InUseError, exclusive, reading
+from .manifest import Manifest
 from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
+from .records import FileRecord, FrameRecord
 from .retention import delete_step, record_receipt
 from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
 from .verify import frame_problem, index_problem, verify_directory, write_stamp

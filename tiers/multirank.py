@@ -19,20 +19,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from .format import (
-    MULTI_RANK_VERSION,
-    AliasRecord,
-    AnyRecord,
-    Manifest,
-    ManifestError,
-    MissingItemError,
-    ObjectRecord,
-    PerRankRecord,
-    ShardedRecord,
-    TensorRecord,
-    now_iso,
-    stored_key,
-)
+from .format import ManifestError, MissingItemError, now_iso
+from .manifest import MULTI_RANK_VERSION, Manifest
+from .records import AliasRecord, AnyRecord, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
 
 
 @dataclass(frozen=True)

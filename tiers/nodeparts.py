@@ -2,7 +2,7 @@
 
 On a node-scoped tier (local NVMe) every node holds only its own ranks' files, so each node's
 ``step-N/`` has a manifest of its own: the whole checkpoint's items, but ``files`` and ``indexes``
-limited to that node's, and a :class:`~tiers.format.NodePart` naming the node, its ranks and every
+limited to that node's, and a :class:`~tiers.manifest.NodePart` naming the node, its ranks and every
 node of the job. Such a manifest is not a checkpoint anyone can restore alone; it is what a node
 flushes to a shared tier.
 
@@ -21,15 +21,9 @@ import time
 from pathlib import Path
 
 from .filesystem import FilesystemTier
-from .format import (
-    NODE_PART_VERSION,
-    Manifest,
-    ManifestError,
-    NodePart,
-    check_consistency,
-    parse_manifest,
-)
+from .format import ManifestError, check_consistency, parse_manifest
 from .locks import InUseError, exclusive
+from .manifest import NODE_PART_VERSION, Manifest, NodePart
 from .multirank import oldest_version
 from .names import parse_rank_file
 from .safeopen import read_bytes

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .filesystem import FilesystemTier
-from .format import MANIFEST_NAME, ManifestError, parse_manifest
+from .format import ManifestError, parse_manifest
+from .manifest import MANIFEST_NAME
 from .names import parse_rank_file
 from .pieces import CorruptCheckpointError
 from .retention import delete_step

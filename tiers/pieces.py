@@ -41,8 +41,9 @@ from tierstate.errors import TierstateError
 
 from .codecs import DECODE_BLOCK, CodecError, zstd_blocks
 from .filesystem import TierError
-from .format import FrameRecord, Manifest, ObjectRecord, Piece, TensorRecord
 from .framefile import feed_range, has_holes
+from .manifest import Manifest
+from .records import FrameRecord, ObjectRecord, Piece, TensorRecord
 from .safeopen import open_read
 from .source import ByteSource, DirectorySource, ShortReadError, as_source
 

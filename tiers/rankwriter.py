@@ -18,20 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from .container import Chunk, ContainerWriter, Format, Layout
-from .format import (
-    FileRecord,
-    ManifestBody,
-    alias_body,
-    checksum,
-    index_bytes,
-    manifest_body,
-    object_body,
-    tensor_body,
-)
+from .format import ManifestBody, alias_body, checksum, index_bytes, manifest_body, object_body, tensor_body
 from .framefile import FrameFile
 from .gcpause import gc_paused
 from .hdf5 import Hdf5Container
 from .names import data_file_name, hdf5_file_name, index_file_name
+from .records import FileRecord
 from .safeopen import write_durably
 
 

@@ -17,21 +17,14 @@ import torch
 
 from .boxes import Box
 from .dtypes import dtype_from_name
-from .format import (
-    Manifest,
-    ManifestError,
-    MissingItemError,
-    ObjectRecord,
-    ShardedRecord,
-    TensorRecord,
-    read_manifest,
-    stored_key,
-)
+from .format import ManifestError, MissingItemError, read_manifest
 from .gcpause import gc_paused
+from .manifest import Manifest
 from .multirank import rank_view
 from .objcodec import decode_object
 from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what load and read_items raise
 from .pieces import ReadTooLargeError, check_file_sizes, read_records
+from .records import ObjectRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, global_shape, read_regions
 from .source import ByteSource, as_source
 

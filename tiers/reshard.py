@@ -24,8 +24,9 @@ import torch
 
 from .boxes import Box
 from .dtypes import dtype_from_name
-from .format import Manifest, Piece, ShardedRecord, TensorRecord
+from .manifest import Manifest
 from .pieces import ByteBuffers, allocate, read_pieces
+from .records import Piece, ShardedRecord, TensorRecord
 from .source import ByteSource
 
 

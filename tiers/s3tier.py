@@ -28,7 +28,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from .filesystem import FilesystemTier, TierError
-from .format import MANIFEST_NAME, Manifest, manifest_bytes, parse_manifest
+from .format import manifest_bytes, parse_manifest
+from .manifest import MANIFEST_NAME, Manifest
 from .objstore import ObjectMissingError, ObjectStore, Progress
 from .reader import CorruptCheckpointError
 from .safeopen import open_or_create, open_read

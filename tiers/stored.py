@@ -30,26 +30,16 @@ import torch
 
 from .boxes import Box
 from .convert import batches
-from .format import (
-    AnyRecord,
-    Manifest,
-    ManifestError,
-    MissingItemError,
-    NodePart,
-    ObjectRecord,
-    PerRankRecord,
-    ShardedRecord,
-    TensorRecord,
-    read_manifest,
-    stored_key,
-)
+from .format import ManifestError, MissingItemError, read_manifest
 from .gcpause import gc_paused
 from .livefill import LiveFill, plan
 from .locks import reading
+from .manifest import Manifest, NodePart
 from .multirank import rank_view
 from .names import data_file_rank
 from .pieces import CorruptCheckpointError, check_file_sizes, read_records
 from .reader import COPY_ERRORS, read_view
+from .records import AnyRecord, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
 from .source import ByteSource, DirectorySource, as_source
 from .verify import Problem, verify_source

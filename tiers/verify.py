@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .filesystem import FilesystemTier, InvalidEntry
-from .format import MANIFEST_NAME, FrameRecord, Manifest, ManifestError, checksum, now_iso, parse_index
+from .format import ManifestError, checksum, now_iso, parse_index
 from .framefile import hash_range
 from .locks import reading
+from .manifest import MANIFEST_NAME, Manifest
 from .pieces import decoding_problem
+from .records import FrameRecord
 from .safeopen import UnsafeFileError, open_read, read_bytes, remove, write_durably
 from .source import ByteSource, DirectorySource, ShortReadError
 

@@ -33,15 +33,8 @@ from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.providers import ObjectProvider
 from tierstate.tiers.codecs import CodecError, decompress
-from tierstate.tiers.format import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    ManifestError,
-    _canonical,
-    checksum,
-    parse_index,
-    parse_manifest,
-)
+from tierstate.tiers.format import ManifestError, _canonical, checksum, parse_index, parse_manifest
+from tierstate.tiers.manifest import FORMAT_VERSION, MANIFEST_NAME
 from tierstate.tiers.objcodec import MAX_DEPTH, ObjectCodecError, decode_object, encode_object
 from tierstate.tiers.reader import read_items
 from tierstate.tiers.stored import CorruptCheckpointError, load

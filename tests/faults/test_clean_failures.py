@@ -25,7 +25,8 @@ from tierstate import cli
 from tierstate.errors import TierstateError
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.format import MANIFEST_NAME, MissingItemError, manifest_bytes, read_manifest
+from tierstate.tiers.format import MissingItemError, manifest_bytes, read_manifest
+from tierstate.tiers.manifest import MANIFEST_NAME
 from tierstate.tiers.stored import load
 from tierstate.tiers.verify import STAMP_NAME
 

@@ -21,7 +21,8 @@ import pytest
 
 from faultkit import scaled, state_matches, tally, tiers_of, trainer, write_steps
 from tierstate.pipeline.restore import NoCheckpointError
-from tierstate.tiers.format import MANIFEST_NAME, read_manifest
+from tierstate.tiers.format import read_manifest
+from tierstate.tiers.manifest import MANIFEST_NAME
 from tierstate.tiers.migrate import migrate
 from tierstate.tiers.verify import verify_step
 

@@ -12,7 +12,8 @@ from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import ObjectProvider, TensorDictProvider
 from tierstate.tiers.filesystem import CheckpointExistsError, TierError
-from tierstate.tiers.format import Manifest, ManifestError, parse_index, read_manifest
+from tierstate.tiers.format import ManifestError, parse_index, read_manifest
+from tierstate.tiers.manifest import Manifest
 
 
 def _state(mib: int = 1) -> dict[str, torch.Tensor]:

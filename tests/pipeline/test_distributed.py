@@ -34,8 +34,9 @@ from tierstate import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, RNGProvider, TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import ShardedRecord, TensorRecord, parse_index
+from tierstate.tiers.format import parse_index
 from tierstate.tiers.migrate import migrate
+from tierstate.tiers.records import ShardedRecord, TensorRecord
 from tierstate.tiers.stored import load
 from tierstate.tiers.verify import verify_step
 

@@ -19,7 +19,8 @@ from tierstate.pipeline.room import Room, TierFullError, no_room_for
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import MANIFEST_NAME, ManifestError
+from tierstate.tiers.format import ManifestError
+from tierstate.tiers.manifest import MANIFEST_NAME
 from tierstate.tiers.nodeparts import node_part
 from tierstate.tiers.peers import ReceivedPart, part_files, partner_of
 from tierstate.tiers.pieces import CorruptCheckpointError

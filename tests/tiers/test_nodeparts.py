@@ -12,7 +12,8 @@ import pytest
 
 from conftest import DEFAULT_YAML
 from tierstate.pipeline.config import ConfigError, parse_config
-from tierstate.tiers.format import Manifest, ManifestError, manifest_bytes, parse_manifest
+from tierstate.tiers.format import ManifestError, manifest_bytes, parse_manifest
+from tierstate.tiers.manifest import Manifest
 from tierstate.tiers.multirank import RankPart, merge_parts
 from tierstate.tiers.nodeparts import join_parts, node_part
 from tierstate.tiers.nodes import NODE_ENV

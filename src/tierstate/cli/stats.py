@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..pipeline.trace import chrome_trace
-from ..tiers.format import Manifest, RankStatsRecord
+from ..tiers.manifest import Manifest
+from ..tiers.rankstats import RankStatsRecord
 from ..tiers.stored import StoredCheckpoint
 from .tables import columns
 
