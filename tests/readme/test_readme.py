@@ -298,16 +298,26 @@ def test_blocks_run_as_written(name: str, tmp_path: Path) -> None:
     with (scenario.serve or nullcontext)() as served:
         env = {**standins.environment(tmp_path / "bin"), **(served or {})}
         for program in _programs(_groups()[name]):
-            if program[0].language == "python":
-                _run_python(program, scenario, workdir, env)
-            elif program[0].language == "console":
-                _run_commands(console_commands(program[0]), workdir, env)
-            elif program[0].language == "bash":
-                _run_commands(bash_commands(program[0]), workdir, env)
-            else:
-                _check_config_errors(program[0], workdir)
+            try:
+                _run(program, scenario, workdir, env)
+            except AssertionError as failed:
+                if name in SCENARIOS:
+                    raise
+                hint = "a block needing stand-ins or files: a <!-- readme-test: NAME; stand-ins: ... --> comment"
+                raise AssertionError(f"{failed}\n({hint} before it, and NAME in SCENARIOS here)") from None
     if scenario.check is not None:
         scenario.check(workdir)
+
+
+def _run(program: list[Block], scenario: Scenario, workdir: Path, env: dict[str, str]) -> None:
+    if program[0].language == "python":
+        _run_python(program, scenario, workdir, env)
+    elif program[0].language == "console":
+        _run_commands(console_commands(program[0]), workdir, env)
+    elif program[0].language == "bash":
+        _run_commands(bash_commands(program[0]), workdir, env)
+    else:
+        _check_config_errors(program[0], workdir)
 
 
 def _programs(group: list[Block]) -> list[list[Block]]:
