@@ -16,7 +16,7 @@ import torch
 from tierstate.errors import TierstateError
 
 from .atomic import AtomicRestore
-from .base import CheckedProvider, ReadState, StateProvider, fresh_keys
+from .base import Batched, CheckedProvider, ReadState, StateProvider, fresh_keys
 from .items import Item, TensorItem
 
 
@@ -103,13 +103,18 @@ class CompositeProvider:
     def restore_destinations(self) -> dict[str, torch.Tensor]:
         """The live tensors of the checked providers, by item key: where a restore may read the stored
         bytes straight in (tiers/livefill.py), since the checked providers are restored last, after every
-        provider was checked (:meth:`AtomicRestore.restore_checked` fills them first). A provider whose
-        ``describe()`` fails offers none; its restore will say why."""
+        provider was checked (:meth:`AtomicRestore.restore_checked` fills them first). Listed with
+        ``tensor_batch()`` where a provider has it (C loops, and no ``describe()`` that a runner counts on
+        for its plans), else ``describe()``; a provider whose listing fails offers none (its restore says why)."""
         live: dict[str, torch.Tensor] = {}
         for path, leaf in self.leaves():
             if not isinstance(leaf, CheckedProvider):
                 continue
             try:
+                batch = leaf.tensor_batch() if isinstance(leaf, Batched) else None
+                if batch is not None:
+                    live |= {f"{path}/{key}": t for key, t in zip(batch.keys, batch.tensors, strict=True)}
+                    continue
                 items = leaf.describe()
             except Exception:  # its own restore reports it
                 continue

@@ -90,15 +90,11 @@ def plan(
 ) -> tuple[dict[str, torch.Tensor], dict[tuple[str, int], Targets]]:
     """The destinations that qualify (see :func:`fits`, in plain frames only, none sharing storage with
     another), and the destination pieces of each frame, by (file, frame index)."""
+    fitting = {key: live[key] for key, record in records.items() if key in live and fits(live[key], record)}
     storages: dict[int, int] = defaultdict(int)
-    for key in records:
-        if key in live:
-            storages[live[key].untyped_storage().data_ptr()] += 1
-    chosen = {
-        key: live[key]
-        for key, record in records.items()
-        if key in live and fits(live[key], record) and storages[live[key].untyped_storage().data_ptr()] == 1
-    }
+    for tensor in fitting.values():
+        storages[tensor.untyped_storage().data_ptr()] += 1
+    chosen = {key: t for key, t in fitting.items() if storages[t.untyped_storage().data_ptr()] == 1}
     by_frame: dict[tuple[str, int], Targets] = defaultdict(list)
     for key in chosen:
         for piece in records[key].pieces:

@@ -280,7 +280,10 @@ class RankView:
             if fill is not None:
                 fill.close()
             raise
-        state = {k: chosen[s] if (s := self.stored_key(k)) in chosen else values[k] for k in wanted}
+        # A parameter is handed over detached (the same memory): a value is data, and an optimizer that keeps
+        # or clones one (state tied to a parameter) must not get a tensor that requires grad.
+        live_values = {key: t.detach() if t.requires_grad else t for key, t in chosen.items()}
+        state = {k: live_values[s] if (s := self.stored_key(k)) in chosen else values[k] for k in wanted}
         return LiveRead(state, None if fill is None else fill.fill)
 
     def read_regions(self, regions: Sequence[Region], workers: int = 4) -> RegionsRead:
