@@ -179,7 +179,9 @@ class LiveFill:
             return
         if self._pool is None:  # one pool for both passes, shut down with the files
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="tierstate-fill")
-            self._stack.callback(self._pool.shutdown)
+            # Not waited for: every frame's work is done by then, and a close from the pool's own thread
+            # (the last reference dropped there) must not join itself.
+            self._stack.callback(self._pool.shutdown, wait=False)
         futures = [self._pool.submit(work, key) for key in self._frames]
         wait(futures)
         for future in futures:
