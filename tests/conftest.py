@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,3 +35,16 @@ def make_runner(tmp_path: Path) -> Iterator[Callable[..., Runner]]:
     yield make
     for runner in runners:
         runner.close()
+
+
+@pytest.fixture
+def memory_dir(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory in /dev/shm (tmpfs: what a memory tier is) if it is usable here, else in tmp_path;
+    removed afterwards."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 256 << 20:
+        path = shm / f"tierstate-test-{uuid.uuid4().hex}"
+        yield path
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        yield tmp_path / "memory"

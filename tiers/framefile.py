@@ -118,16 +118,17 @@ def has_holes(fd: int, offset: int, length: int) -> bool:
 _ZEROS = memoryview(bytes(BLOCK))  # what a hole reads as (calloc'd: costs no memory until hashed from)
 
 
-def feed_range(fd: int, offset: int, length: int, hasher: xxhash.xxh3_64) -> bool:
+def feed_range(fd: int, offset: int, length: int, hasher: xxhash.xxh3_64, buffer: memoryview | None = None) -> bool:
     """Feed ``length`` bytes at ``offset`` to ``hasher``, read in blocks; False when the file is shorter.
 
     A hole of a sparse file is fed as the zeros it reads as, without reading it: a forged size of
-    many gigabytes over a small sparse file costs hashing, never I/O or memory.
+    many gigabytes over a small sparse file costs hashing, never I/O or memory. ``buffer`` is the
+    block to read through (a caller's own, reused: small enough to stay in cache), else one of
+    up to BLOCK bytes is allocated.
     """
     end = offset + length
     if end > os.fstat(fd).st_size:
         return False
-    buffer: memoryview | None = None
     while offset < end:
         data = _next_data(fd, offset, end)
         while offset < data:
@@ -140,7 +141,7 @@ def feed_range(fd: int, offset: int, length: int, hasher: xxhash.xxh3_64) -> boo
         while offset < hole:
             if buffer is None:
                 buffer = memoryview(bytearray(min(BLOCK, length)))
-            got = os.preadv(fd, [buffer[: min(BLOCK, hole - offset)]], offset)
+            got = os.preadv(fd, [buffer[: min(len(buffer), hole - offset)]], offset)
             if got == 0:
                 return False
             hasher.update(buffer[:got])

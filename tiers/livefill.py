@@ -47,7 +47,7 @@ import xxhash
 from tierstate.errors import TierstateError
 
 from .dtypes import dtype_from_name
-from .framefile import feed_range, has_holes
+from .framefile import feed_range
 from .manifest import Manifest
 from .pieces import IOV_MAX, CorruptCheckpointError, check_frame, opened_files, scatter_read, tensor_bytes, unreadable
 from .records import FrameRecord, Piece, TensorRecord
@@ -209,23 +209,12 @@ class LiveFill:
                 if ahead is not None:
                     record = self._records[ahead]
                     os.posix_fadvise(self._fds[ahead[0]], record.offset, record.length, os.POSIX_FADV_WILLNEED)
-            hasher = xxhash.xxh3_64()
-            if has_holes(fd, frame.offset, frame.length):  # holes hashed as the zeros they read as, not read
-                fed = feed_range(fd, frame.offset, frame.length, hasher)
-            else:
-                fed = self._feed(fd, frame.offset, frame.length, hasher)
+            hasher = xxhash.xxh3_64()  # holes (a sparse file) hashed as the zeros they read as, not read
+            fed = self._feed(fd, frame.offset, frame.length, hasher)
             check_frame(hasher.hexdigest() if fed else None, frame, where)
 
     def _feed(self, fd: int, offset: int, length: int, hasher: xxhash.xxh3_64) -> bool:
-        block = self._scratch.block
-        end = offset + length
-        while offset < end:
-            got = os.preadv(fd, [block[: min(BLOCK, end - offset)]], offset)
-            if got == 0:
-                return False
-            hasher.update(block[:got])
-            offset += got
-        return True
+        return feed_range(fd, offset, length, hasher, self._scratch.block)
 
     def _fill_frame(self, key: tuple[str, int]) -> None:
         """The frame's pieces read into their destinations in steps of about BLOCK bytes (one scatter read

@@ -7,11 +7,8 @@ under tmp_path: the tier works on any directory, tmpfs is what makes it RAM.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,19 +24,7 @@ from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.nodes import NODE_ENV
 
 WORKER = REPO / "tests" / "memory_worker.py"
-SHM = Path("/dev/shm")
 MiB = 1 << 20
-
-
-@pytest.fixture
-def memory_dir(tmp_path: Path) -> Iterator[Path]:
-    """A fresh directory in /dev/shm (tmpfs) if it is usable here, else in tmp_path; removed afterwards."""
-    if SHM.is_dir() and shutil.disk_usage(SHM).free > 256 * MiB:
-        path = SHM / f"tierstate-test-{uuid.uuid4().hex}"
-        yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path / "memory"
 
 
 def memory_runner(memory: Path, nvme: Path, size: str, flush: dict | None = None) -> Runner:

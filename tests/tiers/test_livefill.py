@@ -7,9 +7,6 @@ in the first pass with no live tensor touched; a frame changed between the passe
 
 from __future__ import annotations
 
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,6 @@ from tierstate.providers import ModuleProvider, OptimizerProvider, TensorDictPro
 from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint
 
 MiB = 1 << 20
-SHM = Path("/dev/shm")
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -133,17 +129,6 @@ def test_a_frame_changed_between_the_passes_fails_the_second(make_runner) -> Non
     assert read.fill is not None
     with pytest.raises(CorruptCheckpointError, match=r"second read .* changed in place after it was verified"):
         read.fill()
-
-
-@pytest.fixture
-def memory_dir(tmp_path: Path) -> Iterator[Path]:
-    """A fresh tmpfs directory where /dev/shm is usable (what a memory tier is), else under tmp_path."""
-    if SHM.is_dir() and shutil.disk_usage(SHM).free > 256 * MiB:
-        path = SHM / f"tierstate-test-{uuid.uuid4().hex}"
-        yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path / "memory"
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
