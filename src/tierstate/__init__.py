@@ -17,7 +17,7 @@ from tierstate._version import __version__
 from tierstate.errors import TierstateError
 
 if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interpreter the same
-    from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config
+    from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config, parse_config
     from tierstate.pipeline.distributed import CheckpointAborted
     from tierstate.pipeline.fresh import ExistingCheckpointsError
     from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
@@ -46,10 +46,14 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
         empty_init,
         materialize,
     )
+    from tierstate.providers import layout as layout
+    from tierstate.providers.dtensor import storage_of
+    from tierstate.providers.items import Item, Serializer
     from tierstate.tiers.codecs import CodecError
     from tierstate.tiers.commands import UsageError
     from tierstate.tiers.dtypes import UnknownDtypeError
-    from tierstate.tiers.filesystem import CheckpointExistsError, TierError, TierInUseError
+    from tierstate.tiers.export import ExportReport
+    from tierstate.tiers.filesystem import CheckpointExistsError, FilesystemTier, TierError, TierInUseError
     from tierstate.tiers.format import ManifestError, MissingItemError, read_manifest
     from tierstate.tiers.hdf5 import Hdf5LayoutError
     from tierstate.tiers.locks import InUseError
@@ -60,7 +64,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
 
 # Where the public names live: imported from there on first use.
 _HOMES = {
-    "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config"),
+    "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config", "parse_config"),
     "tierstate.pipeline.distributed": ("CheckpointAborted",),
     "tierstate.pipeline.fresh": ("ExistingCheckpointsError",),
     "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
@@ -76,10 +80,13 @@ _HOMES = {
         "StateProvider",
         "TensorDictProvider", "TensorItem", "empty_init", "materialize",
     ),
+    "tierstate.providers.dtensor": ("storage_of",),
+    "tierstate.providers.items": ("Item", "Serializer"),
     "tierstate.tiers.codecs": ("CodecError",),
     "tierstate.tiers.commands": ("UsageError",),
     "tierstate.tiers.dtypes": ("UnknownDtypeError",),
-    "tierstate.tiers.filesystem": ("CheckpointExistsError", "TierError", "TierInUseError"),
+    "tierstate.tiers.export": ("ExportReport",),
+    "tierstate.tiers.filesystem": ("CheckpointExistsError", "FilesystemTier", "TierError", "TierInUseError"),
     "tierstate.tiers.format": ("ManifestError", "MissingItemError", "read_manifest"),
     "tierstate.tiers.hdf5": ("Hdf5LayoutError",),
     "tierstate.tiers.locks": ("InUseError",),
@@ -89,21 +96,26 @@ _HOMES = {
     "tierstate.tiers.stored": ("CorruptCheckpointError", "load"),
 }  # fmt: skip
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+# Public modules, imported on first use too: ``tierstate.layout`` (how a framework's nested state maps to
+# items, for integrations such as Lightning's and DCP's) lives in providers, which knows the items' keys.
+_MODULES = {"layout": "tierstate.providers.layout"}
 
 
 
 def __getattr__(name: str) -> Any:
     """Import a public name's module on first use, then keep the name here."""
-    home = _HOME_OF.get(name)
-    if home is None:
+    if name in _MODULES:
+        value: Any = import_module(_MODULES[name])
+    elif name in _HOME_OF:
+        value = getattr(import_module(_HOME_OF[name]), name)
+    else:
         raise AttributeError(f"module 'tierstate' has no attribute {name!r}")
-    value = getattr(import_module(home), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOME_OF})
+    return sorted({*globals(), *_HOME_OF, *_MODULES})
 
 
 __all__ = [
@@ -121,9 +133,12 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "ExistingCheckpointsError",
+    "ExportReport",
+    "FilesystemTier",
     "Hdf5LayoutError",
     "InUseError",
     "InvalidStepError",
+    "Item",
     "ManifestError",
     "MetaBufferError",
     "MigrateError",
@@ -136,8 +151,8 @@ __all__ = [
     "ObjectItem",
     "ObjectProvider",
     "OptimizerProvider",
-    "ProviderNameError",
     "PipelineConfig",
+    "ProviderNameError",
     "RNGProvider",
     "ReadTooLargeError",
     "RegistrationError",
@@ -146,6 +161,7 @@ __all__ = [
     "RunMetrics",
     "Runner",
     "RunnerClosedError",
+    "Serializer",
     "ShardInfo",
     "StateProvider",
     "StatefulProvider",
@@ -158,8 +174,11 @@ __all__ = [
     "UsageError",
     "__version__",
     "empty_init",
+    "layout",
     "load",
     "load_config",
     "materialize",
+    "parse_config",
     "read_manifest",
+    "storage_of",
 ]

@@ -123,6 +123,41 @@ def test_save_writes_a_pointer_once_durable_and_load_gives_the_dict_back(tmp_pat
     assert json.loads((tmp_path / "ckpt" / "c.ckpt").read_text())["step"] == 3
 
 
+def _flip_a_stored_byte(step_dir: Path) -> None:
+    """One byte inside the first frame of the step's data file, flipped in place (its checksum now fails)."""
+    from tierstate import read_manifest
+
+    name, record = next(iter(read_manifest(step_dir).files.items()))
+    frame = record.frames[0]
+    with open(step_dir / name, "r+b") as f:
+        f.seek(frame.offset + frame.length // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_load_passes_over_a_damaged_copy_to_the_next_tiers_and_refuses_when_none_reads_clean(tmp_path: Path) -> None:
+    tiers = {"nvme": {"path": str(tmp_path / "nvme")}, "pfs": {"path": str(tmp_path / "pfs"), "flush": {"every": 1}}}
+    io = _io(tmp_path, tiers=tiers)
+    weights = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.randn(3)}
+    io.save_checkpoint({"global_step": 7, "state_dict": weights}, tmp_path / "ckpt" / "a.ckpt")
+    io.teardown()  # drains: the flush to pfs is done
+    step = json.loads((tmp_path / "ckpt" / "a.ckpt").read_text())["step"]
+    _flip_a_stored_byte(FilesystemTier("nvme", tmp_path / "nvme").step_dir(step))
+
+    reader = _io(tmp_path, tiers=tiers)
+    loaded = reader.load_checkpoint(tmp_path / "ckpt" / "a.ckpt")
+    assert loaded["global_step"] == 7
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in weights.items())
+
+    _flip_a_stored_byte(FilesystemTier("pfs", tmp_path / "pfs").step_dir(step))
+    from tierstate.integrations.lightning import LightningCheckpointError
+
+    with pytest.raises(LightningCheckpointError, match=r"no copy reads clean: tier nvme .*; tier pfs "):
+        reader.load_checkpoint(tmp_path / "ckpt" / "a.ckpt")
+    reader.teardown()
+
+
 def test_a_torch_save_file_loads_as_torch_checkpoint_io_loads_it(tmp_path: Path) -> None:
     torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, tmp_path / "plain.ckpt")
     loaded = _io(tmp_path).load_checkpoint(tmp_path / "plain.ckpt")

@@ -6,7 +6,9 @@ from: a directory, a bucket prefix), ``pieces`` (frames -> verified bytes in byt
 (stored tensors straight into live ones, beside ``reshard``), and on top
 ``stored`` (one object per stored checkpoint), the only one read from outside. The rank file-name
 grammar has one home, ``names``. Between packages: pipeline may import providers and tiers; neither
-imports pipeline; the pipeline, the integrations and the CLI read checkpoints only through ``stored``.
+imports pipeline; the pipeline, the integrations and the CLI read checkpoints only through ``stored``;
+the integrations are built like user code, on the facade (``tierstate``, ``tierstate.errors``) and the
+read object (``tierstate.tiers.stored``) alone, and the facade imports no integration.
 Imports are read from the source with ``ast``, function-level ones included (a cycle hidden in
 a function is still a cycle).
 """
@@ -132,3 +134,58 @@ def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path: Path) ->
     module = tmp_path / "m.py"
     module.write_text("from ..tiers.reader import x\nfrom tierstate.tiers.pieces import y\nfrom .job import z\n")
     assert _targets(module, "pipeline") == {"tiers.reader", "tiers.pieces", "pipeline.job"}
+
+
+INTEGRATIONS = OUTSIDE["integrations"]
+FACADE_AND_READ_OBJECT = {"tierstate", "tierstate.errors", "tierstate.tiers.stored"}
+SRC = REPO / "src" / "tierstate"
+#: What ``from tierstate import NAME`` may name besides the facade's attributes: a module or subpackage.
+SUBMODULES = {*PACKAGES, *(p.stem for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists())}
+
+
+def _modules_named(path: Path, package: str) -> set[str]:
+    """The absolute name of every tierstate module ``path`` (in ``package``, dotted) imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            if module == "tierstate":  # ``from tierstate import tiers`` imports a subpackage, not a facade name
+                found |= {f"tierstate.{a.name}" for a in node.names if a.name in SUBMODULES}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name == "tierstate" or name.startswith("tierstate.")}
+
+
+def _beyond_facade(path: Path) -> set[str]:
+    """What an integration module imports from the library other than the facade, the read object and
+    its fellow integrations."""
+    return {
+        name
+        for name in _modules_named(path, "tierstate.integrations")
+        if name not in FACADE_AND_READ_OBJECT and not name.startswith("tierstate.integrations")
+    }
+
+
+def test_the_integrations_import_only_the_facade_and_the_read_object() -> None:
+    reaching = {p.name: sorted(_beyond_facade(p)) for p in INTEGRATIONS.rglob("*.py")}
+    assert not {name: modules for name, modules in reaching.items() if modules}
+
+
+def test_the_facade_imports_no_integration() -> None:
+    facade = REPO / "src" / "tierstate" / "__init__.py"
+    assert not {m for m in _modules_named(facade, "tierstate") if m.startswith("tierstate.integrations")}
+
+
+def test_the_facade_check_sees_every_way_past_it(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from tierstate import Runner\nfrom ..tiers.stored import StoredCheckpoint\nfrom .copies import x\n"
+        "import torch\nfrom tierstate.errors import TierstateError\n"
+        "def f():\n    from ..pipeline.runner import Runner\n    import tierstate.tiers.filesystem\n"
+        "from ..providers import layout\nfrom .. import tiers\n"
+    )
+    assert _beyond_facade(module) == {
+        "tierstate.pipeline.runner", "tierstate.tiers.filesystem", "tierstate.providers", "tierstate.tiers"
+    }

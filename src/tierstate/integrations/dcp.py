@@ -2,7 +2,7 @@
 
 DCP (``torch.distributed.checkpoint``, what TorchTitan writes) stores one nested state dict,
 ``{"model": {...}, "optim": {...}, ...}``, as a directory with a ``.metadata`` file. Its top-level
-names are tierstate's provider names, mapped as :mod:`tierstate.integrations.layout` says: a
+names are tierstate's provider names, mapped as :mod:`tierstate.layout` says: a
 model's ``state_dict`` as named tensors, an optimizer's (or any ``Stateful``'s) state as its nested
 dict, an ``ObjectProvider``'s value as it is.
 
@@ -38,14 +38,10 @@ from typing import Any, cast
 
 import torch
 
-from tierstate.errors import TierstateError
+from tierstate import ExportReport, ObjectCodecError, Serializer, TierstateError, layout
 
-from ..providers import Serializer
-from ..tiers.export import ExportReport
-from ..tiers.objcodec import ObjectCodecError
 from ..tiers.stored import StoredCheckpoint
 from .dcp_metadata import ForbiddenGlobalError, restricted_reader
-from .layout import LAYOUTS, Layout, ValueProvider, describe, group_by_name, layout_of, rebuild, serializer_for
 
 LAYOUT_FILE = "tierstate.json"
 """Written beside the DCP files of an export: the step and each name's layout (DCP readers ignore it)."""
@@ -170,9 +166,9 @@ def export_dcp(checkpoint: StoredCheckpoint, out: Path, progress: Progress | Non
 
     values, total = _logical_state(checkpoint, progress)
     state: dict[str, Any] = {}
-    layouts: dict[str, Layout] = {}
-    for name, items in group_by_name(values).items():
-        state[name], layouts[name] = rebuild(items)
+    layouts: dict[str, layout.Layout] = {}
+    for name, items in layout.group_by_name(values).items():
+        state[name], layouts[name] = layout.rebuild(items)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _directory_written_whole(out) as path:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -229,9 +225,9 @@ def _optimizer_indices(value: Any) -> Any:
 
 def read_dcp(
     source: Path, allow_pickle: bool = False, root_name: str = ROOT_NAME
-) -> tuple[dict[str, Any], dict[str, Layout]]:
+) -> tuple[dict[str, Any], dict[str, layout.Layout]]:
     """The whole state of the DCP checkpoint ``source`` (nested as saved) and each top-level name's layout:
-    as recorded by a tierstate export, else as :func:`~tierstate.integrations.layout.layout_of` tells.
+    as recorded by a tierstate export, else as :func:`~tierstate.layout.layout_of` tells.
 
     Tensors at the top level (TorchTitan saves the model's state dict there, beside ``optimizer``,
     ``lr_scheduler``, ``dataloader`` and ``train_state``) are gathered under ``root_name``."""
@@ -250,7 +246,9 @@ def read_dcp(
         {str(k): _optimizer_indices(v) for k, v in planner.original_state_dict.items()}, root_name, source
     )
     recorded = _recorded_layouts(source)
-    layouts: dict[str, Layout] = {name: recorded.get(name) or layout_of(value) for name, value in state.items()}
+    layouts: dict[str, layout.Layout] = {
+        name: recorded.get(name) or layout.layout_of(value) for name, value in state.items()
+    }
     return state, layouts
 
 
@@ -277,7 +275,7 @@ def _gather_root_tensors(state: dict[str, Any], root_name: str, source: Path) ->
     return {root_name: roots, **{k: v for k, v in state.items() if k not in roots}}
 
 
-def _recorded_layouts(source: Path) -> dict[str, Layout]:
+def _recorded_layouts(source: Path) -> dict[str, layout.Layout]:
     path = source / LAYOUT_FILE
     if not path.is_file():
         return {}
@@ -285,15 +283,15 @@ def _recorded_layouts(source: Path) -> dict[str, Layout]:
         layouts = json.loads(path.read_text())["layout"]
     except (ValueError, KeyError, TypeError) as exc:
         raise DcpError(f"{path}: not a tierstate layout file: {exc!r}") from None
-    if not isinstance(layouts, dict) or any(v not in LAYOUTS for v in layouts.values()):
-        raise DcpError(f"{path}: layouts must map names to one of {', '.join(LAYOUTS)}")
-    return cast(dict[str, Layout], layouts)
+    if not isinstance(layouts, dict) or any(v not in layout.LAYOUTS for v in layouts.values()):
+        raise DcpError(f"{path}: layouts must map names to one of {', '.join(layout.LAYOUTS)}")
+    return cast(dict[str, layout.Layout], layouts)
 
 
-def _serializer(name: str, value: Any, layout: Layout, allow_pickle: bool) -> Serializer:
+def _serializer(name: str, value: Any, laid_out: layout.Layout, allow_pickle: bool) -> Serializer:
     """How the objects of ``value`` are stored (see ``serializer_for``); DcpError naming what msgpack refuses."""
     try:
-        return serializer_for(describe(value, layout), allow_pickle)
+        return layout.serializer_for(layout.describe(value, laid_out), allow_pickle)
     except ObjectCodecError as exc:
         raise DcpError(f"DCP state {name!r}, {exc}") from None
 
@@ -303,7 +301,7 @@ class ImportReport:
     step: int
     tier: str
     path: Path
-    names: dict[str, Layout]
+    names: dict[str, layout.Layout]
     items: int
     bytes: int
 
@@ -318,22 +316,24 @@ def import_dcp(
     root: Path,
     step: int,
     allow_pickle: bool = False,
-    layouts: Mapping[str, Layout] | None = None,
+    layouts: Mapping[str, layout.Layout] | None = None,
     root_name: str = ROOT_NAME,
 ) -> ImportReport:
     """Commit the DCP checkpoint ``source`` as checkpoint ``step`` on the tier ``tier`` (directory ``root``).
 
     Each top-level name becomes a provider of that name; ``layouts`` overrides how a name is laid out.
     """
-    from ..pipeline.runner import Runner
+    from tierstate import Runner
 
     state, found = read_dcp(source, allow_pickle, root_name)
     bad = [name for name in state if not name or "/" in name]
     if bad:
         raise DcpError(f"{source}: top-level name {bad[0]!r} cannot name a provider (empty, or contains '/')")
-    chosen: dict[str, Layout] = {**found, **(layouts or {})}
+    chosen: dict[str, layout.Layout] = {**found, **(layouts or {})}
     providers = {
-        name: ValueProvider(lambda v=value: v, chosen[name], _serializer(name, value, chosen[name], allow_pickle))
+        name: layout.ValueProvider(
+            lambda v=value: v, chosen[name], _serializer(name, value, chosen[name], allow_pickle)
+        )
         for name, value in state.items()
     }
     config = {"tiers": {tier: {"path": str(root)}}, "policies": {"allow_pickle": allow_pickle}}

@@ -51,12 +51,10 @@ from typing import Any, Literal
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments, trainer_callback
 from typing_extensions import override
 
-from tierstate.errors import TierstateError
-from tierstate.pipeline.config import PipelineConfig
-from tierstate.pipeline.handle import CheckpointHandle
-from tierstate.pipeline.runner import Runner
-from tierstate.providers import ObjectProvider, RNGProvider
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate import CheckpointHandle, ObjectProvider, PipelineConfig, RNGProvider, Runner, TierstateError
+
+from ..tiers.stored import StoredCheckpoint
+from .copies import read_first_clean
 
 TRAINER_STATE_NAME = "trainer_state.json"  # the file HF's resume path reads the TrainerState from
 TRAINER_STATE_KEY = "trainer/value"  # the checkpoint item holding that file's text
@@ -331,23 +329,23 @@ def _newest_trainer_state(runner: Runner) -> tuple[int, str, str] | None:
     """The newest step on the runner's tiers whose Trainer state reads clean, that state's JSON text, and
     where it was read (tier and directory)."""
     steps = sorted({step for tier in runner.tiers for step in tier.steps()}, reverse=True)
-    problems = []
-    for step in steps:
-        for tier in runner.tiers:
-            if step not in tier.steps():
-                continue
-            try:
-                with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
-                    if TRAINER_STATE_KEY not in checkpoint.keys:
-                        raise TrainerIntegrationError(
-                            f"{tier.step_dir(step)}: no Trainer state ({TRAINER_STATE_KEY}): not written by "
-                            "TierstateCallback; point it at tiers of its own, or resume with resume_from_checkpoint"
-                        )
-                    text = checkpoint.read([TRAINER_STATE_KEY])[TRAINER_STATE_KEY]
-            except StoredCheckpoint.COPY_ERRORS as exc:  # a damaged copy: the next tier's, or an older step
-                problems.append(f"{tier.name} step {step}: {exc}")
-                continue
+    problems: list[str] = []
+    for step in steps:  # a damaged copy: the next tier's, or an older step
+        found = read_first_clean(runner.tiers, step, _trainer_state_text, problems)
+        if found is not None:
+            tier, text = found
             return step, text, f"tier {tier.name}, {tier.step_dir(step)}"
     if problems:
         raise TrainerIntegrationError("no checkpoint on the tiers reads clean: " + "; ".join(problems))
     return None
+
+
+def _trainer_state_text(checkpoint: StoredCheckpoint) -> str:
+    """The Trainer state's JSON text that ``checkpoint`` holds; a checkpoint without one was not written by
+    the callback, which is an error, not a damaged copy to pass over."""
+    if TRAINER_STATE_KEY not in checkpoint.keys:
+        raise TrainerIntegrationError(
+            f"{checkpoint.where}: no Trainer state ({TRAINER_STATE_KEY}): not written by "
+            "TierstateCallback; point it at tiers of its own, or resume with resume_from_checkpoint"
+        )
+    return checkpoint.read([TRAINER_STATE_KEY])[TRAINER_STATE_KEY]

@@ -4,7 +4,7 @@ Lightning hands its ``CheckpointIO`` plugin one dict per save (``state_dict``, `
 ``lr_schedulers``, ``loops``, ``callbacks``, ``epoch``, ``global_step``, ...) and a path. Here:
 
 - **Items.** Each top-level key is a provider of that name, laid out as
-  :mod:`tierstate.integrations.layout` says: ``state_dict/<param>`` (what a ``ModuleProvider`` of
+  :mod:`tierstate.layout` says: ``state_dict/<param>`` (what a ``ModuleProvider`` of
   the LightningModule describes), ``optimizer_states/0/state/0/exp_avg`` with a ``skeleton`` object,
   and so on. Tensors an optimizer holds (parameters, optimizer state) are captured lazily: every
   optimizer that steps while the plugin is set up is attached (a global step pre-hook notes it),
@@ -45,17 +45,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tierstate.errors import TierstateError
+from tierstate import (
+    CheckpointHandle,
+    FilesystemTier,
+    Item,
+    ObjectCodecError,
+    PipelineConfig,
+    Runner,
+    Serializer,
+    TensorItem,
+    TierstateError,
+    layout,
+    load_config,
+    parse_config,
+    storage_of,
+)
 
-from ..pipeline.config import PipelineConfig, load_config, parse_config
-from ..pipeline.handle import CheckpointHandle
-from ..pipeline.restore import restore_into
-from ..pipeline.runner import Runner
-from ..providers import CompositeProvider, Item, Serializer, TensorItem
-from ..providers.dtensor import storage_of
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.objcodec import ObjectCodecError
-from .layout import ABSENT, ValueProvider, describe, layout_of, serializer_for
+from .copies import read_first_clean
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
@@ -112,7 +118,7 @@ def _write_pointer(path: Path, pointer: Mapping[str, Any]) -> None:
 def _serializer(name: str, value: Any, allow_pickle: bool) -> Serializer:
     """How the objects under ``name`` are stored (see ``serializer_for``); refused ones fail the save, named."""
     try:
-        return serializer_for(describe(value, layout_of(value)), allow_pickle)
+        return layout.serializer_for(layout.describe(value, layout.layout_of(value)), allow_pickle)
     except ObjectCodecError as exc:
         raise LightningCheckpointError(
             f"Lightning checkpoint key {name!r}, {exc}; set policies.allow_pickle: true in the tierstate config "
@@ -127,10 +133,10 @@ class _Entry:
         self.io, self.name = io, name
 
     def describe(self) -> list[Item]:
-        value = self.io.saving.get(self.name, ABSENT)
-        if value is ABSENT:
+        value = self.io.saving.get(self.name, layout.ABSENT)
+        if value is layout.ABSENT:
             return []
-        items = describe(value, layout_of(value), self.io.serializers.get(self.name, "msgpack"))
+        items = layout.describe(value, layout.layout_of(value), self.io.serializers.get(self.name, "msgpack"))
         covered = self.io.covered
         for item in items:  # what only optimizer.step() changes: lazy (the runner checks it is attached)
             if isinstance(item, TensorItem) and storage_of(item.tensor) in covered:
@@ -274,10 +280,16 @@ class _TierstateIO:
             return load(path, weights_only=weights_only, **({"map_location": map_location} if map_location else {}))
         step = pointer["step"]
         tiers = [FilesystemTier(name, tier.path) for name, tier in self.config.tiers.items()]
-        names = _names(tiers, step, path)
-        readers = {name: ValueProvider(lambda: ABSENT) for name in names}
-        restore_into(CompositeProvider(**readers), tiers, step, allow_pickle=self.config.policies.allow_pickle)
-        checkpoint = {name: reader.value for name, reader in readers.items()}
+        allow_pickle = self.config.policies.allow_pickle
+        problems: list[str] = []
+        found = read_first_clean(tiers, step, lambda stored: stored.read(allow_pickle=allow_pickle), problems)
+        if found is None:
+            where = ", ".join(f"{t.name}={t.root}" for t in tiers)
+            held = f"no copy reads clean: {'; '.join(problems)}" if problems else f"which no tier holds ({where})"
+            raise LightningCheckpointError(f"{path} names tierstate step {step}, {held}")
+        for problem in problems:
+            log.warning("lightning load: passed over %s", problem)
+        checkpoint = {name: layout.rebuild(values)[0] for name, values in layout.group_by_name(found[1]).items()}
         if map_location is not None:
             checkpoint = _moved(checkpoint, map_location)
         return checkpoint
@@ -330,15 +342,6 @@ def _storages(optimizers: tuple[torch.optim.Optimizer, ...]) -> frozenset[int]:
         for state in optimizer.state.values():
             found.update(storage_of(v) for v in state.values() if isinstance(v, torch.Tensor))
     return frozenset(found)
-
-
-def _names(tiers: list[FilesystemTier], step: int, path: Any) -> list[str]:
-    """The top-level keys checkpoint ``step`` holds, from its manifest on the first tier that has it."""
-    for tier in tiers:
-        if step in tier.steps():
-            return sorted({key.split("/", 1)[0] for key in tier.manifest(step).items})
-    where = ", ".join(f"{t.name}={t.root}" for t in tiers)
-    raise LightningCheckpointError(f"{path} names tierstate step {step}, which no tier holds ({where})")
 
 
 def _moved(value: Any, device: Any) -> Any:

@@ -14,6 +14,10 @@ provider registered under that name describes, so the usual providers restore it
 
 Reading back, the layout is told by the item keys alone (:func:`rebuild`), so any tierstate
 checkpoint (the ``flat`` items of an RNG provider, objects among them, included) comes back as a dict.
+
+It lives in providers because it knows the item keys of the usual providers (the skeleton's, the
+value's), which no module outside providers may; the integrations (Lightning, DCP) reach it through
+the facade as ``tierstate.layout``.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ from typing import Any, Literal
 
 import torch
 
-from ..providers import Item, ObjectItem, Serializer, TensorItem, join_tensors, split_tensors
-from ..providers.objects import VALUE_KEY
-from ..providers.stateful import SKELETON_KEY
 from ..tiers.objcodec import ObjectCodecError, encode_object
+from .items import Item, ObjectItem, Serializer, TensorItem
+from .objects import VALUE_KEY
+from .stateful import SKELETON_KEY
+from .tree import join_tensors, split_tensors
 
 Layout = Literal["flat", "stateful", "value"]
 LAYOUTS: tuple[Layout, ...] = ("flat", "stateful", "value")
