@@ -36,6 +36,7 @@ from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
 from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
+from .integrity import frame_problem, index_problem
 from .locks import InUseError, exclusive, reading
 from .manifest import Manifest
 from .nodeparts import part_marker, publish_parts
@@ -44,7 +45,8 @@ from .reader import CorruptCheckpointError
 from .records import FileRecord, FrameRecord
 from .retention import delete_step, record_receipt
 from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
-from .verify import frame_problem, index_problem, verify_directory, write_stamp
+from .stored import StoredCheckpoint
+from .verify import write_stamp
 
 Progress = Callable[[int], None]
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
@@ -226,7 +228,7 @@ def _convert(
     """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest."""
     _remove_strays(partial, set())
     published = rewrite(source_dir, manifest, partial, fmt, align, _paced(progress, pacer))
-    problems = verify_directory(partial, published)
+    problems = StoredCheckpoint(partial, manifest=published).verify()
     if problems:
         raise MigrateError(f"{partial}: the rewritten checkpoint fails verification: {problems[0]}")
     report.outcome = "converted"
@@ -368,7 +370,7 @@ def migrate(
         if existing is not None and (fmt is None or fmt == container_format(existing, str(report.path))):
             report.outcome = "already there"
             if move:  # the source goes away, so the copy that stays must be proven good first
-                problems = verify_directory(report.path, existing)
+                problems = StoredCheckpoint(report.path, step, existing).verify()
                 if problems:
                     raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
         elif manifest.node_part is not None and target.scope == "shared":

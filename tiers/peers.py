@@ -21,12 +21,13 @@ from pathlib import Path
 
 from .filesystem import FilesystemTier
 from .format import ManifestError, parse_manifest
+from .integrity import verify_directory
 from .manifest import MANIFEST_NAME
 from .names import parse_rank_file
 from .pieces import CorruptCheckpointError
 from .retention import delete_step
 from .safeopen import check_regular, create_new, open_read
-from .verify import verify_directory, write_stamp
+from .verify import write_stamp
 
 PEER_PREFIX = "peer-"
 RETURNED_PREFIX = "from-peer-"

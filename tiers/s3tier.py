@@ -29,12 +29,12 @@ from pathlib import Path
 
 from .filesystem import FilesystemTier, TierError
 from .format import manifest_bytes, parse_manifest
+from .integrity import verify_directory
 from .manifest import MANIFEST_NAME, Manifest
 from .objstore import ObjectMissingError, ObjectStore, Progress
 from .reader import CorruptCheckpointError
 from .safeopen import open_or_create, open_read
 from .source import ShortReadError
-from .verify import verify_directory
 
 _STEP_MANIFEST_RE = re.compile(rf"^step-(\d+)/{re.escape(MANIFEST_NAME)}$")
 _STEP_OBJECT_RE = re.compile(r"^step-(\d+)/")

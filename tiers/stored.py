@@ -32,6 +32,7 @@ from .boxes import Box
 from .convert import batches
 from .format import ManifestError, MissingItemError, read_manifest
 from .gcpause import gc_paused
+from .integrity import Problem, verify_source
 from .livefill import LiveFill, plan
 from .locks import reading
 from .manifest import Manifest, NodePart
@@ -42,7 +43,6 @@ from .reader import COPY_ERRORS, read_view
 from .records import AnyRecord, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
 from .source import ByteSource, DirectorySource, as_source
-from .verify import Problem, verify_source
 
 __all__ = [
     "COPY_ERRORS",

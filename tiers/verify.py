@@ -1,6 +1,7 @@
-"""Recomputing every checksum of a committed checkpoint, without decoding or loading anything.
+"""``tierstate verify``: every checksum of a committed checkpoint recomputed, and the stamp it leaves.
 
-Restore verifies only the frames it reads; ``verify`` reads them all (data frames, the HDF5
+Restore verifies only the frames it reads; ``verify`` reads them all, through the read object
+(``StoredCheckpoint.verify``, the checks in tiers/integrity.py) (data frames, the HDF5
 library's own bytes, the indexes) and names each bad one by file, frame and byte range. Each pass
 leaves a stamp (``verified.json``: for which manifest, when, and what was wrong) that ``tierstate
 ls`` shows as state ``verified`` or ``damaged``, until the next pass replaces it. The stamp is
@@ -13,167 +14,20 @@ failure.
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .filesystem import FilesystemTier, InvalidEntry
-from .format import ManifestError, checksum, now_iso, parse_index
-from .framefile import hash_range
+from .format import ManifestError, checksum, now_iso
+from .integrity import Problem, Progress
 from .locks import reading
-from .manifest import MANIFEST_NAME, Manifest
-from .pieces import decoding_problem
-from .records import FrameRecord
-from .safeopen import UnsafeFileError, open_read, read_bytes, remove, write_durably
-from .source import ByteSource, DirectorySource, ShortReadError
+from .manifest import MANIFEST_NAME
+from .safeopen import UnsafeFileError, read_bytes, remove, write_durably
+from .stored import StoredCheckpoint
 
 STAMP_NAME = "verified.json"
-
-Progress = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One bad file or frame of a checkpoint."""
-
-    file: str
-    frame: int | None
-    message: str
-
-    def __str__(self) -> str:
-        where = self.file if self.frame is None else f"{self.file} frame {self.frame}"
-        return f"{where}: {self.message}"
-
-
-def frame_problem(fd: int, frame: FrameRecord, where: str = "") -> str | None:
-    """Why the frame in ``fd`` is not what its record says, or None when it is: its stored bytes
-    are the ones its checksum names, and they decode to its raw length as a restore would decode
-    them (checked in that order: nothing is decoded before it is verified)."""
-    actual = hash_range(fd, frame.offset, frame.length)
-    span = f"bytes {frame.offset}..{frame.offset + frame.length}"
-    if actual is None:
-        return f"{span}: truncated"
-    if actual != frame.checksum:
-        return f"{span}: checksum mismatch (expected {frame.checksum}, got {actual})"
-    decoded = decoding_problem(fd, frame, where or span)
-    return None if decoded is None else f"{span}: {decoded}"
-
-
-def index_problem(data: bytes, name: str) -> str | None:
-    """Why an index whose checksum matched is not one (undecodable, nested beyond bounds, not the
-    one-rank manifest it must amount to), or None when it is."""
-    try:
-        parse_index(data, name)
-    except ManifestError as exc:
-        return str(exc)
-    return None
-
-
-def verify_directory(directory: Path, manifest: Manifest, progress: Progress | None = None) -> list[Problem]:
-    """Every problem with the data files and indexes in ``directory`` against ``manifest``."""
-    advance = progress or (lambda _n: None)
-    problems: list[Problem] = []
-    for name, record in sorted(manifest.files.items()):
-        try:
-            fd = open_read(directory / name)
-        except (FileNotFoundError, UnsafeFileError) as exc:
-            problems.append(Problem(name, None, _unreadable(exc)))
-            advance(record.size)
-            continue
-        except OSError as exc:
-            problems.append(Problem(name, None, _unreadable(exc)))
-            advance(record.size)
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            if size != record.size:
-                problems.append(Problem(name, None, f"is {size} bytes, the manifest says {record.size}"))
-            for i, frame in enumerate(record.frames):
-                message = frame_problem(fd, frame)
-                if message:
-                    problems.append(Problem(name, i, message))
-                advance(frame.length)
-        except OSError as exc:  # a directory in the file's place, an I/O error: the rest of it is unread
-            problems.append(Problem(name, None, _unreadable(exc)))
-        finally:
-            os.close(fd)
-    for name, digest in sorted(manifest.indexes.items()):
-        try:
-            data = read_bytes(directory / name)
-            actual = checksum(data)
-        except (FileNotFoundError, UnsafeFileError) as exc:
-            problems.append(Problem(name, None, _unreadable(exc)))
-            continue
-        except OSError as exc:
-            problems.append(Problem(name, None, _unreadable(exc)))
-            continue
-        if actual != digest:
-            problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
-        elif problem := index_problem(data, name):
-            problems.append(Problem(name, None, problem))
-    return problems
-
-
-def verify_source(source: ByteSource, manifest: Manifest, progress: Progress | None = None) -> list[Problem]:
-    """:func:`verify_directory` for a checkpoint in any :class:`~tiers.source.ByteSource` (a bucket
-    prefix): every frame read through ``read_into``, checksummed and, if compressed, decoded to its end."""
-    if isinstance(source, DirectorySource):
-        return verify_directory(source.directory, manifest, progress)
-    advance = progress or (lambda _n: None)
-    problems: list[Problem] = []
-    for name, record in sorted(manifest.files.items()):
-        try:
-            size = source.size(name)
-        except OSError as exc:
-            problems.append(Problem(name, None, _unreadable(exc)))
-            advance(record.size)
-            continue
-        if size != record.size:
-            problems.append(Problem(name, None, f"is {size} bytes, the manifest says {record.size}"))
-        for i, frame in enumerate(record.frames):
-            span = f"bytes {frame.offset}..{frame.offset + frame.length}"
-            stored = bytearray(frame.length)
-            try:
-                source.read_into(name, frame.offset, memoryview(stored))
-            except ShortReadError:
-                problems.append(Problem(name, i, f"{span}: truncated"))
-                continue
-            except OSError as exc:
-                problems.append(Problem(name, None, _unreadable(exc)))
-                break
-            finally:
-                advance(frame.length)
-            actual = checksum(memoryview(stored))
-            if actual != frame.checksum:
-                problems.append(
-                    Problem(name, i, f"{span}: checksum mismatch (expected {frame.checksum}, got {actual})")
-                )
-            elif decoded := decoding_problem(bytes(stored), frame, f"{source.where}/{name} frame {i}"):
-                problems.append(Problem(name, i, f"{span}: {decoded}"))
-    for name, digest in sorted(manifest.indexes.items()):
-        try:
-            data = source.read_small(name)
-        except OSError as exc:
-            problems.append(Problem(name, None, _unreadable(exc)))
-            continue
-        actual = checksum(data)
-        if actual != digest:
-            problems.append(Problem(name, None, f"checksum mismatch (expected {digest}, got {actual})"))
-        elif problem := index_problem(data, name):
-            problems.append(Problem(name, None, problem))
-    return problems
-
-
-def _unreadable(exc: OSError) -> str:
-    """Why a file was not read: missing, not a regular file (a planted symlink is never followed, so no
-    checksum of what it points to ever appears in a report), or the storage's own error (EIO, ...)."""
-    if isinstance(exc, UnsafeFileError):
-        return exc.reason
-    if isinstance(exc, FileNotFoundError):
-        return "missing"
-    return f"cannot read: {exc.strerror or exc}"
 
 
 def _manifest_id(directory: Path) -> str:
@@ -261,12 +115,12 @@ def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = Non
     started = time.perf_counter()
     with reading(directory):  # held through the stamp, so not StoredCheckpoint.locked: a bad manifest is a result
         try:
-            manifest = tier.manifest(step)
+            checkpoint = StoredCheckpoint(directory, step)
         except ManifestError as exc:
             result.problems.append(Problem(MANIFEST_NAME, None, str(exc)))
         else:
-            result.bytes = manifest.stored_bytes
-            result.problems = verify_directory(directory, manifest, progress)
+            result.bytes = checkpoint.manifest.stored_bytes
+            result.problems = checkpoint.verify(progress)
         manifest = directory / MANIFEST_NAME
         if manifest.is_file() and not manifest.is_symlink():  # a damaged copy stays marked until found clean
             try:
