@@ -118,8 +118,6 @@ class _Target:
     policy: FlushPolicy
     gate: asyncio.Semaphore
     pacer: Pacer
-    active: int = 0
-    peak: int = 0  # most copies to this tier that ran at once
 
 
 class Flusher:
@@ -151,11 +149,6 @@ class Flusher:
         self._prune_lock = asyncio.Lock()
         self._resumed: asyncio.Task[object] | None = None
         self.failures: list[FlushFailure] = []
-
-    @property
-    def peaks(self) -> dict[str, int]:
-        """Per target tier, the most flushes that ran at once (never above its ``workers``)."""
-        return {t.tier.name: t.peak for t in self._targets}
 
     def due(self, step: int) -> list[str]:
         """The tiers this flusher will copy ``step`` to once it commits (none on a rank that does not commit)."""
@@ -223,13 +216,8 @@ class Flusher:
     async def _copy(self, step: int, target: _Target) -> MigrateReport:
         """One attempt at copying ``step`` to ``target``, as one of its ``workers``."""
         async with target.gate:
-            target.active += 1
-            target.peak = max(target.peak, target.active)
-            try:
-                copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
-                return await run_blocking(self._pool, copy, step, self._source, target.tier)
-            finally:
-                target.active -= 1
+            copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
+            return await run_blocking(self._pool, copy, step, self._source, target.tier)
 
     async def _failed(
         self, step: int, completer: HandleCompleter | None, name: str, exc: BaseException, attempts: int

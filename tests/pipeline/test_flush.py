@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -43,7 +44,10 @@ def ls(tmp_path, capsys):
     return run
 
 
-def test_training_run_ends_with_every_checkpoint_on_pfs_verified_and_nvme_pruned(make_runner, tmp_path, ls, capsys):
+def test_training_run_ends_with_every_checkpoint_on_pfs_verified_and_nvme_pruned(
+    make_runner, tmp_path, ls, capsys, caplog
+):
+    caplog.set_level(logging.INFO, logger="tierstate")
     runner = make_runner(
         TIERED_YAML,
         tiers__nvme__retention={"keep_last": 2},
@@ -57,7 +61,15 @@ def test_training_run_ends_with_every_checkpoint_on_pfs_verified_and_nvme_pruned
     assert runner.flush_failures == []
     assert runner.steps() == {"nvme": [5, 6], "pfs": [1, 2, 3, 4, 5, 6]}
     assert all(h.persisted("nvme") and h.persisted("pfs") and not h.flush_errors for h in handles)
-    assert runner._flusher.peaks["pfs"] == 1  # never more copies at once than flush.workers
+    # Never more copies at once than flush.workers (1): each flush to pfs, as its log line dates it (logged
+    # when it ended, lasting the seconds it gives), began after the one before it was logged.
+    flushes = sorted(
+        (r.created - r.args[3], r.created)
+        for r in caplog.records
+        if r.msg.startswith("step %d flushed to %s") and isinstance(r.args, tuple) and r.args[1] == "pfs"
+    )
+    assert len(flushes) == 6
+    assert all(ended <= began for (_, ended), (began, _) in zip(flushes, flushes[1:], strict=False))
     listed = {(e["tier"], e["step"]): e for e in ls()}
     assert {k: e["state"] for k, e in listed.items() if k[0] == "pfs"} == {("pfs", s): "verified" for s in range(1, 7)}
     assert listed[("nvme", 6)]["flushed"] and listed[("nvme", 6)]["flushed_to"] == ["pfs"]
