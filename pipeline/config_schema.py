@@ -35,7 +35,7 @@ from pydantic import (
 
 from ..tiers.nodes import expand_node
 from ..tiers.policy import FlushPolicy, RetentionPolicy
-from .config_errors import read_yaml
+from .config_errors import ConfigError, read_yaml
 from .packaged import DEFAULT_NAME, packaged_config
 
 MiB = 1 << 20
@@ -390,7 +390,8 @@ class ConfigSchema(_Strict):
     def persist_tier(self) -> str:
         """The tier the pipeline writes to; later tiers are reached by migration."""
         persist = self.stage_of_kind("persist")
-        assert isinstance(persist, PersistStage)  # guaranteed by PipelineConfig's checks
+        if persist is None:  # only a schema-valid config that skipped the graph checks (PipelineConfig's) lacks one
+            raise ConfigError("<config>", ["pipeline.stages: no persist stage, so no tier to write to"])
         return persist.tier
 
 

@@ -56,11 +56,19 @@ class Room:
     node_ranks: int
     settle: Callable[[], Awaitable[bool]]
     pool: concurrent.futures.Executor
+    size: int  # ``config.size``, which a Room is made only for: see :meth:`of`
 
-    @property
-    def size(self) -> int:
-        assert self.config.size is not None  # a Room is made only for a bounded tier
-        return int(self.config.size)
+    @classmethod
+    def of(
+        cls,
+        tier: FilesystemTier,
+        config: TierConfig,
+        node_ranks: int,
+        settle: Callable[[], Awaitable[bool]],
+        pool: concurrent.futures.Executor,
+    ) -> Room | None:
+        """The room of ``tier`` when its size is bounded; None when it is not (nothing to reserve)."""
+        return None if config.size is None else cls(tier, config, node_ranks, settle, pool, int(config.size))
 
     def needed(self, step: int, rank_bytes: int) -> int:
         """This node's bytes of ``step``; TierFullError if the tier cannot hold keep_last + 1 of them."""

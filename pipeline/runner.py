@@ -135,11 +135,7 @@ class Runner:
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
         persist = config.tiers[config.persist_tier]
-        self._room = (
-            Room(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._io)
-            if persist.size is not None
-            else None
-        )
+        self._room = Room.of(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._io)
         # Not atexit.register: at interpreter exit the thread pools refuse new work before atexit
         # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
         # hooks run earlier, newest first, so this one runs before the pools shut down.

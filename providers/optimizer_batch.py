@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from tierstate.errors import TierstateError
+
 from .items import ObjectItem, Serializer, TensorBatch
 from .stateful import SKELETON_KEY
 from .tree import TENSOR_MARKER, split_tensors
@@ -115,6 +117,10 @@ class _Outline:
         )
 
 
+class ListingOrderError(TierstateError, RuntimeError):
+    """A call out of the order the DeferredListing protocol gives (providers/base.py); names the call."""
+
+
 class StateLister:
     """Lists one optimizer's state as a :class:`TensorBatch`, reusing keys and skeleton while the structure holds.
 
@@ -128,11 +134,16 @@ class StateLister:
         self._outline: _Outline | None = None  # the state's outline at the last listing
 
     def batch(self, optimizer: torch.optim.Optimizer, serializer: Serializer, replicated: bool) -> TensorBatch | None:
-        state = self.relisted(optimizer)
-        return None if state is None else self._with_groups(optimizer, state, serializer, replicated)
+        listed = self._listed(optimizer)
+        return None if listed is None else self._with_groups(optimizer, *listed, serializer, replicated)
 
     def relisted(self, optimizer: torch.optim.Optimizer) -> TensorBatch | None:
         """The state's tensors alone (no parameter groups, which a scheduler may be changing meanwhile)."""
+        listed = self._listed(optimizer)
+        return None if listed is None else listed[1]
+
+    def _listed(self, optimizer: torch.optim.Optimizer) -> tuple[_Layout, TensorBatch] | None:
+        """The state's layout and tensors (see :meth:`relisted`), the layout kept for the next listing."""
         if not has_plain_state_dict(optimizer):
             return None
         groups = optimizer.param_groups
@@ -147,7 +158,7 @@ class StateLister:
         self._outline = _Outline(optimizer.state, len(owners), group_sizes)
         if layout.keys is None or tensors is None:
             return None
-        return TensorBatch(layout.keys, tensors, "step")
+        return layout, TensorBatch(layout.keys, tensors, "step")
 
     def regrouped(
         self, optimizer: torch.optim.Optimizer, previous: TensorBatch, serializer: Serializer, replicated: bool
@@ -163,19 +174,27 @@ class StateLister:
             or not outline.holds(optimizer)
         ):
             return None
-        return self._with_groups(optimizer, previous, serializer, replicated)
+        return self._with_groups(optimizer, layout, previous, serializer, replicated)
 
     def restated(self, skeleton: dict[str, Any]) -> dict[str, Any]:
         """``skeleton`` (its groups as snapshotted at a request) with the state part of the latest listing."""
-        assert self._layout is not None  # only after a listing
+        if self._layout is None:
+            raise ListingOrderError(
+                "StateLister.restated: no listing yet to take the optimizer state from (the DeferredListing "
+                "protocol lists first: tensor_batch(), then regrouped() or relisted())"
+            )
         return {**skeleton, "state": self._layout.state}
 
     def _with_groups(
-        self, optimizer: torch.optim.Optimizer, state: TensorBatch, serializer: Serializer, replicated: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        layout: _Layout,
+        state: TensorBatch,
+        serializer: Serializer,
+        replicated: bool,
     ) -> TensorBatch:
-        """``state``'s tensors, and the parameter groups (learning rates, ...) and skeleton snapshotted now."""
-        layout = self._layout
-        assert layout is not None  # set by the listing that gave ``state``
+        """``state``'s tensors (listed by ``layout``), and the parameter groups (learning rates, ...) and
+        skeleton snapshotted now."""
         groups = optimizer.param_groups
         packed = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         group_skeletons, group_tensors = split_tensors(packed, key_prefix="param_groups", replicated=replicated)

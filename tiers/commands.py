@@ -38,6 +38,7 @@ Writer = Callable[[StoredCheckpoint, Path, Callable[[int], None] | None], Export
 
 # What a single checkpoint's work may fail with: reported for that checkpoint, the others go on.
 FAILURES = (TierstateError, OSError)
+HF_NEEDS_PROVIDER = "--format hf writes one model's weights: give --provider NAME (e.g. --provider model)"
 
 
 class UsageError(TierstateError):
@@ -268,7 +269,7 @@ def export_step(
     if not holders:
         raise UsageError(f"step {step}: no committed checkpoint on {', '.join(t.name for t in tiers)}")
     if fmt == "hf" and provider is None:
-        raise UsageError("--format hf writes one model's weights: give --provider NAME (e.g. --provider model)")
+        raise UsageError(HF_NEEDS_PROVIDER)
     if provider is not None:
         present = StoredCheckpoint(holders[0].step_dir(step), step).providers()
         if provider not in present:
@@ -282,10 +283,11 @@ def export_step(
     def write(checkpoint: StoredCheckpoint, advance: Callable[[int], None]) -> ExportReport:
         if writer is not None:
             return writer(checkpoint, out, advance)
-        if fmt == "hf":
-            assert provider is not None
-            return export_hf(checkpoint, out, provider, advance, max_shard_size)
-        return export(checkpoint, out, cast(ExportFormat, fmt), advance, provider)
+        if fmt != "hf":
+            return export(checkpoint, out, cast(ExportFormat, fmt), advance, provider)
+        if provider is None:  # refused above, before anything was read
+            raise UsageError(HF_NEEDS_PROVIDER)
+        return export_hf(checkpoint, out, provider, advance, max_shard_size)
 
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's

@@ -189,8 +189,9 @@ class FrameFile:
         length = len(payload)
         index, offset = self._reserve(chunk, length)
         digest = None
-        if self._can_write_direct(chunk, offset, length):
-            digest = self._write_direct(chunk, length, offset)
+        slab = self._direct_slab(chunk, offset, length)
+        if slab is not None:
+            digest = self._write_direct(chunk, slab, length, offset)
         if digest is None:
             digest = self._write_at(index, offset, payload, chunk.payload_checksum)
         record = FrameRecord(
@@ -218,23 +219,26 @@ class FrameFile:
             self._pending[id(chunk)] = (chunk, index, offset)  # holding the chunk keeps its id unique
             return index, offset
 
-    def _can_write_direct(self, chunk: Chunk, offset: int, length: int) -> bool:
-        """Raw bytes in a 4 KiB-aligned slab with room for the padded tail, at a 4 KiB-aligned offset."""
+    def _direct_slab(self, chunk: Chunk, offset: int, length: int) -> Slab | None:
+        """The chunk's slab if it can be written with O_DIRECT (raw bytes in a 4 KiB-aligned slab with room for
+        the padded tail, at a 4 KiB-aligned offset), else None."""
         slab = chunk.slab
-        return (
+        if (
             self._direct_ok
             and slab is not None
             and chunk.stored is None
             and offset % DIRECT_ALIGN == 0
             and slab.tensor.data_ptr() % DIRECT_ALIGN == 0
             and align_up(length, DIRECT_ALIGN) <= slab.tensor.numel()
-        )
+        ):
+            return slab
+        return None
 
-    def _write_direct(self, chunk: Chunk, length: int, offset: int) -> str | None:
-        """The frame written with O_DIRECT, its checksum; None if refused (then it goes buffered)."""
-        assert chunk.slab is not None
+    def _write_direct(self, chunk: Chunk, slab: Slab, length: int, offset: int) -> str | None:
+        """The frame (``chunk``'s raw bytes in ``slab``) written with O_DIRECT, its checksum; None if refused
+        (then it goes buffered)."""
         try:
-            digest = _hash_and_write_direct(self._direct_fd, chunk.slab, length, offset, chunk.payload_checksum)
+            digest = _hash_and_write_direct(self._direct_fd, slab, length, offset, chunk.payload_checksum)
         except OSError as exc:
             # The buffered descriptor writes this frame again; its failures are the ones reported.
             if exc.errno == errno.EINVAL:  # a block size or alignment O_DIRECT refuses: buffered from now on

@@ -103,14 +103,15 @@ def export_hf(
     selection = select(checkpoint, provider)
     records = selection.records
     _refuse_what_hf_cannot_hold(selection)
-    sizes = {key: _nbytes(record) for key, record in records.items() if isinstance(record, TensorRecord)}
+    tensor_records = {key: record for key, record in records.items() if isinstance(record, TensorRecord)}
+    sizes = {key: _nbytes(record) for key, record in tensor_records.items()}
     shards = plan_shards(sizes, max_shard_size)
     names = _shard_names(len(shards))
     stale = set(weight_files(out)) - {out / name for name in names}
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for keys, name in zip(shards, names, strict=True):
-        tensors = dict(_tensors(selection.view, {k: records[k] for k in keys}, progress))
+        tensors = dict(_tensors(selection.view, {k: tensor_records[k] for k in keys}, progress))
         with written_whole(out / name) as path:
             save_file({selection.name(k): t for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
         weight_map |= {selection.name(k): name for k in keys}
@@ -129,11 +130,10 @@ def _nbytes(record: TensorRecord) -> int:
 
 
 def _tensors(
-    view: RankView, records: dict[str, TensorRecord | ObjectRecord], progress: Progress | None
+    view: RankView, records: dict[str, TensorRecord], progress: Progress | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for key, data in view.item_bytes(records):
         record = records[key]
-        assert isinstance(record, TensorRecord)  # _refuse_what_hf_cannot_hold let tensors only through
         if progress is not None:
             progress(data.numel())
         yield key, data.view(dtype_from_name(record.dtype)).reshape(record.shape)

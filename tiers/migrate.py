@@ -38,7 +38,7 @@ from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
 from .integrity import frame_problem, index_problem
 from .locks import InUseError, exclusive, reading
-from .manifest import Manifest
+from .manifest import Manifest, NodePart
 from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
@@ -304,16 +304,16 @@ def _note_receipt(source: FilesystemTier, step: int, target: FilesystemTier) -> 
 def _publish_part(
     source_dir: Path,
     manifest: Manifest,
+    part: NodePart,
     target: FilesystemTier,
     report: MigrateReport,
     fmt: Format,
     pacer: Pacer | None,
     progress: Progress | None,
 ) -> None:
-    """A node's part (tiers/nodeparts.py): its files into the shared partial, resumably and verified as
-    any copy, then its marker; the global checkpoint is published once every node's part is there."""
-    part = manifest.node_part
-    assert part is not None
+    """A node's part (tiers/nodeparts.py; ``part``: the manifest's ``node_part``): its files into the shared
+    partial, resumably and verified as any copy, then its marker; the global checkpoint is published once
+    every node's part is there."""
     if fmt != container_format(manifest, str(source_dir)):
         raise MigrateError(
             f"step {manifest.step} on node {part.node} is one node's part: it is copied as it is; "
@@ -374,7 +374,7 @@ def migrate(
                 if problems:
                     raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
         elif manifest.node_part is not None and target.scope == "shared":
-            _publish_part(source_dir, manifest, target, report, wanted, pacer, progress)
+            _publish_part(source_dir, manifest, manifest.node_part, target, report, wanted, pacer, progress)
         else:
             _publish(source_dir, manifest, target, report, wanted, align, pacer, progress, existing is not None)
     if move and report.waiting_for:

@@ -101,7 +101,8 @@ def _check_one_placement(step: int, placed: dict[str, dict[int, str]]) -> None:
 
 def _sharded(step: int, key: str, written: list[TensorRecord]) -> ShardedRecord:
     first = written[0]
-    assert first.shard is not None  # only records with a shard are collected as shards
+    if first.shard is None:  # only records with a shard are collected as shards
+        raise ManifestError(f"step {step}: sharded item {key!r}: a shard without its place in the global tensor")
     try:
         return ShardedRecord(
             dtype=first.dtype,

@@ -61,7 +61,8 @@ def node_part(whole: Manifest, node: str, ranks: list[int], nodes: list[str]) ->
 def join_parts(step: int, parts: list[Manifest]) -> Manifest:
     """The global manifest of every node's part of ``step``; ManifestError if they do not fit together."""
     first = parts[0]
-    assert first.node_part is not None  # only parts are joined
+    if first.node_part is None:  # only parts are joined
+        raise ManifestError(f"step {step}: a whole checkpoint's manifest among the node parts to join")
     nodes = first.node_part.nodes
     for part in parts:
         if part.node_part is None or part.node_part.nodes != nodes:

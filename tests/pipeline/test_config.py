@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from tierstate.pipeline.config import ConfigError, PipelineConfig, config_path, load_config, parse_config
-from tierstate.pipeline.config_schema import CompressStage, PersistStage, capture_workers_for_host
+from tierstate.pipeline.config_schema import CompressStage, ConfigSchema, PersistStage, capture_workers_for_host
 from tierstate.pipeline.packaged import packaged_configs
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
@@ -512,3 +512,13 @@ def test_config_error_is_a_value_error_and_pickles(tmp_path: Path) -> None:
     clone = pickle.loads(pickle.dumps(err))
     assert (clone.source, clone.problems, str(clone)) == (err.source, err.problems, str(err))
     assert str(err) == "inline: version: unsupported version 3; only version 1 is supported"
+
+
+def test_the_persist_tier_of_a_schema_without_a_persist_stage_is_a_config_error_naming_the_stages() -> None:
+    body = load_config().model_dump(mode="json")
+    stages = body["pipeline"]["stages"]
+    del stages["persist"]
+    stages["compress"]["next"] = None
+    schema = ConfigSchema.model_validate(body)  # the schema alone: PipelineConfig's checks would refuse it
+    with pytest.raises(ConfigError, match="pipeline.stages: no persist stage"):
+        _ = schema.persist_tier

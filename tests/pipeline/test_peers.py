@@ -160,7 +160,8 @@ def test_a_replicated_bounded_tier_must_hold_its_partners_parts_too(tmp_path: Pa
              "pfs": {"path": str(tmp_path / "pfs"), "flush": {"every": 1}}}  # fmt: skip
     config = parse_config({"tiers": tiers})
     memory = FilesystemTier("memory", tmp_path / "m", "node")
-    room = Room(memory, config.tiers["memory"], node_ranks=1, settle=_nothing_to_settle, pool=None)  # type: ignore[arg-type]
+    room = Room.of(memory, config.tiers["memory"], node_ranks=1, settle=_nothing_to_settle, pool=None)  # type: ignore[arg-type]
+    assert room is not None  # the memory tier's size is bounded
     assert room.needed(5, 8 * MiB) == 9 * MiB  # 2 own + 2 partner's of 9 MiB fit in 40 MiB
     with pytest.raises(TierFullError) as caught:
         room.needed(5, 10 * MiB)  # 4 x 11 MiB do not, though 2 x 11 would without the partner's parts

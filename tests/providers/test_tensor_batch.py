@@ -13,6 +13,7 @@ from torch import nn
 from tierstate.providers.items import ObjectItem, TensorBatch, TensorItem
 from tierstate.providers.module import ModuleProvider
 from tierstate.providers.optimizer import OptimizerProvider
+from tierstate.providers.optimizer_batch import ListingOrderError
 
 
 def _model() -> nn.Module:
@@ -297,3 +298,13 @@ def test_a_module_is_listed_again_after_any_change_state_dict_would_show(change:
     assert change not in (_state_dict_hook, _instance_override) or any(k.endswith("added") for k in live)
     assert all(tensor is value for tensor, value in zip(batch.tensors, live.values(), strict=True))
     _assert_lists_describe(batch, provider.describe())
+
+
+def test_an_optimizer_skeleton_restated_before_any_listing_is_refused_naming_the_order() -> None:
+    weight = nn.Parameter(torch.ones(3))
+    provider = OptimizerProvider(torch.optim.SGD([weight], lr=0.1))
+    with pytest.raises(ListingOrderError, match=r"restated: no listing yet .* tensor_batch\(\), then"):
+        provider.restated("skeleton", {"param_groups": []})
+    listed = provider.tensor_batch()
+    assert listed is not None
+    assert provider.restated("skeleton", {"param_groups": [], "state": None})["state"] == {}

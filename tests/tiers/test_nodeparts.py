@@ -64,6 +64,8 @@ def test_the_parts_join_back_into_the_whole(whole):
     other = parts[1].model_copy(update={"created": "2026-02-02T00:00:00.000+00:00"})
     with pytest.raises(ManifestError, match="node n1's part is of another checkpoint"):
         join_parts(3, [parts[0], other])
+    with pytest.raises(ManifestError, match="step 3: a whole checkpoint's manifest among the node parts"):
+        join_parts(3, [whole, parts[1]])
 
 
 def test_node_in_a_tier_path_is_the_node_name(monkeypatch, tmp_path: Path):

@@ -133,8 +133,10 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    fmt = options.choice(args.format, (*get_args(ExportFormat), "dcp"), "--format")
-    assert fmt is not None  # argparse requires --format
+    formats = (*get_args(ExportFormat), "dcp")
+    fmt = options.choice(args.format, formats, "--format")
+    if fmt is None:  # argparse requires it; said here too for a caller that builds the arguments itself
+        raise UsageError(f"export needs --format (one of {', '.join(formats)})")
     shard = options.size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else MAX_SHARD_SIZE
     tiers = options.tiers_of(args)
     read = [p.tier for p in ([options.pick(tiers, args.source, "--from")] if args.source else tiers)]

@@ -133,21 +133,26 @@ class TierstateCallback(TrainerCallback):
                 "use the Trainer's own checkpoints (save_strategy) with DeepSpeed"
             )
         self._trainer = trainer
-        trainer.train = functools.wraps(trainer.train)(functools.partial(self._train, trainer.train))
+        trainer.train = functools.wraps(trainer.train)(functools.partial(self._train, trainer, trainer.train))
 
     def _train(
-        self, train: Callable[..., Any], resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+        self,
+        trainer: Trainer,
+        train: Callable[..., Any],
+        resume_from_checkpoint: str | bool | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
         """``Trainer.train`` of the bound Trainer: a plain call resumes from the tiers' newest checkpoint."""
-        self.runner = _runner(self.config)
+        runner = self.runner = _runner(self.config)
         self._registered, self._pending, self._unlogged = False, None, []
         try:
             newest = None
             trial = args[0] if args else kwargs.get("trial")
             if resume_from_checkpoint is None and trial is None:  # a search's trials start afresh, as in HF
-                newest = _newest_trainer_state(self.runner)
+                newest = _newest_trainer_state(runner)
             if resume_from_checkpoint is False and trial is None:
-                self._start_fresh(self.runner)
+                self._start_fresh(runner)
             if newest is None:
                 return train(resume_from_checkpoint or None, *args, **kwargs)
             step, text, where = newest
@@ -156,10 +161,10 @@ class TierstateCallback(TrainerCallback):
                         "starts afresh instead", step, where)  # fmt: skip
             with tempfile.TemporaryDirectory(prefix="tierstate-resume-") as marker:
                 Path(marker, TRAINER_STATE_NAME).write_text(text)
-                with self._loading_from(marker, step):
+                with self._loading_from(trainer, runner, marker, step):
                     return train(marker, *args, **kwargs)
         finally:
-            self.runner.close()  # every checkpoint requested is durable (or reported failed) when train() returns
+            runner.close()  # every checkpoint requested is durable (or reported failed) when train() returns
 
     def _start_fresh(self, runner: Runner) -> None:
         """``train(resume_from_checkpoint=False)``: the new run, not an older one on the tiers, is what a
@@ -172,15 +177,12 @@ class TierstateCallback(TrainerCallback):
                         "under set-aside-<time> in each tier", listed)  # fmt: skip
 
     @contextmanager
-    def _loading_from(self, marker: str, step: int) -> Iterator[None]:
+    def _loading_from(self, trainer: Trainer, runner: Runner, marker: str, step: int) -> Iterator[None]:
         """While HF resumes from ``marker``, its loaders read tierstate's checkpoint ``step`` instead."""
-        trainer = self._trainer
-        assert trainer is not None
 
         def restore_all() -> None:  # the optimizer and scheduler exist from here on
-            self._register(trainer)
-            assert self.runner is not None
-            self.runner.restore(step)
+            self._register(trainer, runner)
+            runner.restore(step)
 
         ours: dict[str, Callable[[], None]] = {
             "_load_from_checkpoint": lambda: None,  # weights are restored with the optimizer, before any forward
@@ -210,18 +212,17 @@ class TierstateCallback(TrainerCallback):
             for name in ours:
                 delattr(trainer, name)  # the class's methods again
 
-    def _register(self, trainer: Trainer) -> None:
+    def _register(self, trainer: Trainer, runner: Runner) -> None:
         """What a checkpoint holds, once per ``train()``: the optimizer exists from HF's optimizer loading on."""
         if self._registered:
             return
-        assert self.runner is not None
         state: dict[str, Any] = {"model": trainer.model, "optim": trainer.optimizer}
         if trainer.lr_scheduler is not None:
             state["sched"] = trainer.lr_scheduler
         scaler = getattr(trainer.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
-        self.runner.register(**state, rng=self._rng, trainer=ObjectProvider(functools.partial(_state_json, trainer)))
+        runner.register(**state, rng=self._rng, trainer=ObjectProvider(functools.partial(_state_json, trainer)))
         self._registered = True
 
     # --- saving -------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ class TierstateCallback(TrainerCallback):
                 "TierstateCallback must be given to Trainer(callbacks=[...]): added later "
                 "(trainer.add_callback), it cannot resume the Trainer"
             )
-        self._register(self._trainer)
+        self._register(self._trainer, self.runner)
 
     @override
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
