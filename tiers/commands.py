@@ -5,7 +5,9 @@ command line (tierstate/cli/) reads ``--config`` and ``--tier`` the way the runn
 hands the tiers over, and renders what comes back as lines, tables or JSON. Work that moves data
 reports its bytes through a ``progress`` the caller gives (the CLI draws a bar on a terminal). A
 checkpoint that fails is returned as a failure next to the others' results, which go on; a request
-the tiers cannot serve as asked raises :class:`UsageError`.
+the tiers cannot serve as asked raises :class:`UsageError`. A bucket tier (:class:`~tiers.s3tier.S3Tier`)
+is taken wherever a directory tier is, its work done by :mod:`tiers.bucketcmds` and its copies read
+through the same :class:`~tiers.stored.StoredCheckpoint`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, cast
 
 from tierstate.errors import TierstateError
 
+from .bucketcmds import AnyTier, BucketPolicies, location_of, migrate_bucket, prune_bucket, verify_bucket_step
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, summary
 from .convert import Format
 from .export import ExportFormat, ExportReport, export
@@ -30,6 +33,8 @@ from .migrate import MigrateReport, migrate
 from .pacing import Pacer
 from .peers import peer_copies
 from .retention import Decision, TierPolicies, prune
+from .s3tier import S3Tier
+from .source import ByteSource
 from .stored import StoredCheckpoint
 from .verify import VerifyResult, invalid_result, verify_step
 
@@ -81,17 +86,17 @@ def _tier_entries(chain: Sequence[FilesystemTier], tier: FilesystemTier) -> list
     return entries + invalid_entries(tier) + leftover_entries(tier)
 
 
-def step_dir(tiers: Sequence[FilesystemTier], step: int) -> Path:
-    """The directory of ``step`` on the fastest tier that holds it committed."""
+def step_location(tiers: Sequence[AnyTier], step: int) -> Path | ByteSource:
+    """Where ``step`` is on the fastest tier that holds it committed: a directory, or a bucket's prefix."""
     for tier in tiers:
         if step in tier.steps():
-            return tier.step_dir(step)
+            return location_of(tier, step)
     raise UsageError(f"step {step}: no committed checkpoint on any tier")
 
 
-def inspect_checkpoint(directory: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint in ``directory``: its summary and ``item_table``, a row per item."""
-    manifest = StoredCheckpoint(directory).manifest
+def inspect_checkpoint(location: Path | ByteSource) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``location``: its summary and ``item_table``, a row per item."""
+    manifest = StoredCheckpoint(location).manifest
     return {**summary(manifest), "item_table": item_rows(manifest)}
 
 
@@ -110,8 +115,8 @@ class MigrateFailure:
 
 
 def migrate_steps(
-    source: FilesystemTier,
-    target: FilesystemTier,
+    source: AnyTier,
+    target: AnyTier,
     step: int | None,
     *,
     move: bool = False,
@@ -120,17 +125,25 @@ def migrate_steps(
     progress: Progress = no_progress,
 ) -> list[MigrateReport | MigrateFailure]:
     """Copy (``move``: then delete from ``source``) checkpoint ``step``, or every committed one
-    when ``step`` is None, at most ``bandwidth`` bytes/s; each failure is named, the others go on."""
+    when ``step`` is None, at most ``bandwidth`` bytes/s; each failure is named, the others go on.
+    Between a directory tier and a bucket (either way) the checkpoint moves as it is (no ``fmt``)."""
     available = source.steps()
     if step is not None and step not in available:
-        raise UsageError(f"--from {source.name}: no committed checkpoint step {step} (in {source.root})")
+        raise UsageError(f"--from {source.name}: no committed checkpoint step {step} (in {where(source)})")
+    bucket = isinstance(source, S3Tier) or isinstance(target, S3Tier)
+    if bucket and fmt is not None:
+        raise UsageError("--format: a bucket takes and gives checkpoints as they are; convert on a directory tier")
     pacer = Pacer(bandwidth) if bandwidth else None
     results: list[MigrateReport | MigrateFailure] = []
     for each in available if step is None else [step]:
         try:
             total = source.manifest(each).stored_bytes
             with progress(f"step {each}", total) as advance:
-                results.append(migrate(each, source, target, move=move, fmt=fmt, pacer=pacer, progress=advance))
+                if isinstance(source, S3Tier) or isinstance(target, S3Tier):
+                    report = migrate_bucket(each, source, target, move=move, pacer=pacer, progress=advance)
+                else:
+                    report = migrate(each, source, target, move=move, fmt=fmt, pacer=pacer, progress=advance)
+                results.append(report)
         except (*FAILURES, InUseError) as exc:
             results.append(MigrateFailure(each, source.name, target.name, str(exc)))
     return results
@@ -147,15 +160,16 @@ class VerifySkipped:
 
 
 def verify_steps(
-    tiers: Sequence[FilesystemTier], steps: Collection[int], progress: Progress = no_progress
+    tiers: Sequence[AnyTier], steps: Collection[int], progress: Progress = no_progress
 ) -> list[VerifyResult | VerifySkipped]:
     """Recompute every checksum of ``steps`` (all when empty) on each of ``tiers`` and the peer copies each holds."""
     # Each tier's committed steps, and its step-N entries that are not checkpoints (a lost manifest,
     # a symlink): those fail, named, without anything in them being read.
-    work: list[tuple[FilesystemTier, int, InvalidEntry | None]] = []
-    for tier in [each for given in tiers for each in (given, *peer_copies(given))]:
+    work: list[tuple[AnyTier, int, InvalidEntry | None]] = []
+    for tier in [each for given in tiers for each in (given, *_peer_copies(given))]:
         listed: list[tuple[int, InvalidEntry | None]] = [(step, None) for step in tier.steps()]
-        listed += [(entry.step, entry) for entry in tier.invalid() if entry.named_as_checkpoint]
+        if isinstance(tier, FilesystemTier):
+            listed += [(entry.step, entry) for entry in tier.invalid() if entry.named_as_checkpoint]
         listed.sort(key=lambda step_entry: step_entry[0])
         work += [(tier, step, entry) for step, entry in listed if not steps or step in steps]
     missing = sorted(set(steps) - {step for _, step, _ in work})
@@ -164,6 +178,7 @@ def verify_steps(
     results: list[VerifyResult | VerifySkipped] = []
     for tier, step, invalid in work:
         if invalid is not None:
+            assert isinstance(tier, FilesystemTier)  # only a directory lists invalid entries
             results.append(invalid_result(tier, invalid))
             continue
         try:
@@ -172,10 +187,22 @@ def verify_steps(
             total = 0  # verify_step reports the broken manifest
         try:
             with progress(f"{tier.name} step {step}", total) as advance:
-                results.append(verify_step(tier, step, advance))
+                if isinstance(tier, S3Tier):
+                    results.append(verify_bucket_step(tier, step, advance))
+                else:
+                    results.append(verify_step(tier, step, advance))
         except FileNotFoundError as exc:  # deleted by retention between listing and locking
             results.append(VerifySkipped(tier.name, step, str(exc)))
     return results
+
+
+def _peer_copies(tier: AnyTier) -> list[FilesystemTier]:
+    return [] if isinstance(tier, S3Tier) else peer_copies(tier)
+
+
+def where(tier: AnyTier) -> str:
+    """A tier's location, for messages: its directory or its ``s3://`` prefix."""
+    return tier.store.where() if isinstance(tier, S3Tier) else str(tier.root)
 
 
 # --- prune and gc -------------------------------------------------------------------------------
@@ -215,21 +242,33 @@ def prune_tiers(
     only: Collection[str],
     dry_run: bool = False,
     confirm: Callable[[Pruning], bool] | None = None,
+    buckets: Sequence[BucketPolicies] = (),
 ) -> Pruning:
     """Apply the retention policies of the tiers named in ``only``; every tier's flush policy and
     holdings decide what is still due somewhere. ``confirm``: given the plan (what would be deleted
-    and freed) before anything is deleted, and asked whether to go on; None = do not ask."""
-    if not any(p.retention.active for p in tiers if p.tier.name in only):
+    and freed) before anything is deleted, and asked whether to go on; None = do not ask. A bucket's
+    retention is applied on its own steps (``buckets``, those named in ``only``)."""
+    buckets = [b for b in buckets if b.tier.name in only and b.retention.active]
+    if not buckets and not any(p.retention.active for p in tiers if p.tier.name in only):
         raise UsageError("no retention policy: set tiers.NAME.retention in --config, or give --keep-last/--keep-every")
     sizes = {(p.tier.name, step): _disk_bytes(p.tier.step_dir(step))
              for p in tiers if p.tier.name in only for step in p.tier.steps()}  # fmt: skip
+
+    def apply(dry_run: bool) -> list[Decision]:
+        decisions = prune(tiers, dry_run=dry_run, only=only)
+        for bucket in buckets:
+            decided, held = prune_bucket(bucket, dry_run)
+            decisions += decided
+            sizes.update(held)
+        return decisions
+
     if confirm is not None and not dry_run:
-        plan = Pruning(prune(tiers, dry_run=True, only=only), sizes, dry_run=True)
+        plan = Pruning(apply(dry_run=True), sizes, dry_run=True)
         if not plan.doomed:  # nothing to ask about, nor to delete unasked: the plan is the report
             return plan
         if not confirm(plan):
             return Pruning([], sizes, dry_run=True, declined=True)
-    return Pruning(prune(tiers, dry_run=dry_run, only=only), sizes, dry_run)
+    return Pruning(apply(dry_run), sizes, dry_run)
 
 
 # --- export -------------------------------------------------------------------------------------
@@ -250,7 +289,7 @@ class ExportFailure:
 
 
 def export_step(
-    tiers: Sequence[FilesystemTier],
+    tiers: Sequence[AnyTier],
     step: int,
     out: Path,
     fmt: str,
@@ -271,7 +310,7 @@ def export_step(
     if fmt == "hf" and provider is None:
         raise UsageError(HF_NEEDS_PROVIDER)
     if provider is not None:
-        present = StoredCheckpoint(holders[0].step_dir(step), step).providers()
+        present = StoredCheckpoint(location_of(holders[0], step), step).providers()
         if provider not in present:
             raise UsageError(f"step {step}: no provider {provider!r} (providers: {', '.join(present) or 'none'})")
     existing = weight_files(out) if fmt == "hf" and not out.is_symlink() else [out]
@@ -292,7 +331,7 @@ def export_step(
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's
         try:
-            with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
+            with StoredCheckpoint.locked(location_of(tier, step), step) as checkpoint:
                 with progress(f"export step {step}", checkpoint.stored_bytes) as advance:
                     report = write(checkpoint, advance)
         except FAILURES as exc:

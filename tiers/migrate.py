@@ -63,7 +63,7 @@ class MigrateReport:
     step: int
     source: str
     target: str
-    path: Path
+    path: Path | str  # the target's copy: a directory, or an s3:// prefix
     outcome: str  # "copied", "converted" or "already there"
     frames: int = 0
     frames_copied: int = 0
@@ -227,7 +227,7 @@ def _convert(
 ) -> Manifest:
     """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest."""
     _remove_strays(partial, set())
-    published = rewrite(source_dir, manifest, partial, fmt, align, _paced(progress, pacer))
+    published = rewrite(source_dir, manifest, partial, fmt, align, paced(progress, pacer))
     problems = StoredCheckpoint(partial, manifest=published).verify()
     if problems:
         raise MigrateError(f"{partial}: the rewritten checkpoint fails verification: {problems[0]}")
@@ -237,7 +237,7 @@ def _convert(
     return published
 
 
-def _paced(progress: Progress | None, pacer: Pacer | None) -> Progress | None:
+def paced(progress: Progress | None, pacer: Pacer | None) -> Progress | None:
     """``progress``, also holding the writer to ``pacer``'s rate after each piece it reports."""
     if pacer is None:
         return progress
@@ -327,7 +327,7 @@ def _publish_part(
     report.waiting_for = publish_parts(target, manifest.step)
     report.outcome = "part copied" if report.waiting_for else "copied"
     if not report.waiting_for:
-        write_stamp(report.path)
+        write_stamp(target.step_dir(manifest.step))
 
 
 def migrate(
@@ -370,7 +370,7 @@ def migrate(
         if existing is not None and (fmt is None or fmt == container_format(existing, str(report.path))):
             report.outcome = "already there"
             if move:  # the source goes away, so the copy that stays must be proven good first
-                problems = StoredCheckpoint(report.path, step, existing).verify()
+                problems = StoredCheckpoint(target.step_dir(step), step, existing).verify()
                 if problems:
                     raise MigrateError(f"not moving step {step}: the copy on {target.name} is damaged: {problems[0]}")
         elif manifest.node_part is not None and target.scope == "shared":

@@ -190,7 +190,7 @@ class Leftover:
     and what garbage collection did with it."""
 
     tier: str
-    path: Path
+    path: Path | str  # a directory, or for a bucket the s3:// URL of an object or upload
     kind: str
     age_s: float
     removed: bool

@@ -57,6 +57,7 @@ class Leftover:
     what: str  # the s3:// URL of the object, or of the upload's key
     kind: str  # "orphan object" or "incomplete upload"
     removed: bool
+    age_s: float = 0.0  # since the object was written, or the upload last received a part
 
 
 class BucketSource:
@@ -134,7 +135,7 @@ class S3Tier:
         """Publish the committed checkpoint in directory ``source`` (described by ``manifest``) as
         ``step-N`` here: verified first, data and indexes uploaded, the manifest last and conditional."""
         step = manifest.step
-        report = TransferReport(step, str(source), self.store.where(self.step_prefix(step)), "copied")
+        report = TransferReport(step, str(source), self.store.where(f"step-{step}"), "copied")
         if manifest.node_part is not None:
             raise TierError(
                 errno.EOPNOTSUPP, f"tier {self.name}: {source} is one node's part; an s3 tier takes whole checkpoints"
@@ -169,7 +170,7 @@ class S3Tier:
         """Copy ``step-N`` to file system tier ``target`` with parallel ranged GETs, verify every frame
         and index there, and only then commit it; a damaged object fails naming it and commits nothing."""
         manifest = self.manifest(step)
-        report = TransferReport(step, self.store.where(self.step_prefix(step)), str(target.step_dir(step)), "copied")
+        report = TransferReport(step, self.store.where(f"step-{step}"), str(target.step_dir(step)), "copied")
         if step in target.steps():
             report.outcome = "already there"
             return report
@@ -232,10 +233,15 @@ class S3Tier:
         ]
         if not dry_run:
             self.store.delete([o.name for o in orphans])
-        found += [Leftover(self.store.where(o.name), "orphan object", not dry_run) for o in orphans]
+        now = datetime.now(UTC)
+        found += [
+            Leftover(self.store.where(o.name), "orphan object", not dry_run, (now - o.modified).total_seconds())
+            for o in orphans
+        ]
         for upload in self.store.uploads():
             if upload.last_active < cutoff:
                 if not dry_run:
                     self.store.abort_upload(upload)
-                found.append(Leftover(self.store.where(upload.name), "incomplete upload", not dry_run))
+                age = (now - upload.last_active).total_seconds()
+                found.append(Leftover(self.store.where(upload.name), "incomplete upload", not dry_run, age))
         return found

@@ -79,7 +79,7 @@ def read_stamp(directory: Path) -> Stamp | None:
 class VerifyResult:
     tier: str
     step: int
-    path: Path
+    path: Path | str  # the step's directory, or its s3:// prefix on a bucket
     bytes: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)

@@ -4,7 +4,11 @@ Tiers are read exactly as the runner reads them: a ``--config`` YAML (or a packa
 goes through :func:`~tierstate.pipeline.config.load_config`, so a key written twice, an unknown key
 anywhere (under ``pipeline:`` too) and every bad value are refused with the file and the key path,
 and relative tier paths are resolved as the runner resolves them (against the working directory, see
-``TierConfig``). ``--tier NAME=PATH`` goes through the same tier model. A config the runner refuses
+``TierConfig``). ``--tier NAME=PATH`` goes through the same tier model. A bucket (``kind: s3`` in
+the YAML, or ``--tier NAME=s3://bucket/prefix``) is a :class:`~tiers.bucketcmds.BucketPolicies`,
+its endpoint the YAML's ``endpoint_url``, else ``--endpoint-url``, else ``$AWS_ENDPOINT_URL``
+(botocore reads it), its credentials the standard AWS chain; it is checked (credentials, bucket)
+when built, so a command fails at once naming it. A config the runner refuses
 is one the CLI refuses: retention read differently by the two could delete checkpoints the runner
 keeps. The commands (tiers/commands.py) take the tiers and policies built here, never YAML.
 """
@@ -23,10 +27,17 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from ..pipeline.config import load_config, parse_tiers
 from ..pipeline.config_schema import TierConfig
 from ..pipeline.packaged import packaged_configs
+from ..tiers.bucketcmds import BucketPolicies
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node
+from ..tiers.objstore import ObjectStore
+from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import TierPolicies
+from ..tiers.s3tier import S3Tier
+
+AnyPolicies = TierPolicies | BucketPolicies
+P = TypeVar("P", bound=AnyPolicies)
 
 T = TypeVar("T")
 
@@ -47,12 +58,17 @@ def _tier_option(spec: str) -> TierPolicies:
     return _policies(name, tier)
 
 
+def _is_bucket(spec: str) -> bool:
+    return spec.partition("=")[2].startswith("s3://")
+
+
 def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[TierPolicies]:
-    """The tiers of ``--config`` (with their policies, read as the runner reads them), followed by
-    those of ``--tier NAME=PATH`` (no policies)."""
-    tiers = [_policies(name, tier) for name, tier in load_config(config).tiers.items()] if config else []
-    tiers += [_tier_option(spec) for spec in tier_options or []]
-    if not tiers:
+    """The directory tiers of ``--config`` (with their policies, read as the runner reads them),
+    followed by those of ``--tier NAME=PATH`` (no policies); buckets are :func:`load_buckets`'."""
+    loaded = load_config(config) if config else None
+    tiers = [_policies(name, tier) for name, tier in loaded.tiers.items()] if loaded else []
+    tiers += [_tier_option(spec) for spec in tier_options or [] if not _is_bucket(spec)]
+    if not tiers and not (loaded and loaded.buckets) and not any(map(_is_bucket, tier_options or [])):
         packaged = ", ".join(packaged_configs())
         raise UsageError(f"no tiers: give --config FILE (or a packaged config: {packaged}) or --tier NAME=PATH")
     names = [t.tier.name for t in tiers]
@@ -60,6 +76,45 @@ def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[T
     if repeated:
         raise UsageError(f"tier {repeated[0]!r} is given twice")
     return tiers
+
+
+def _bucket(name: str, url: str, endpoint: str | None, region: str | None, keep: RetentionPolicy) -> BucketPolicies:
+    store = ObjectStore(name, url, endpoint_url=endpoint, region=region)
+    store.check()
+    return BucketPolicies(S3Tier(name, store), keep)
+
+
+def load_buckets(args: argparse.Namespace) -> list[BucketPolicies]:
+    """The buckets of ``--config`` (``kind: s3``, with their retention) and of ``--tier NAME=s3://...``."""
+    buckets = []
+    if args.config:
+        for name, spec in load_config(args.config).buckets.items():
+            buckets.append(_bucket(name, spec.url, spec.endpoint_url or args.endpoint_url, spec.region, spec.retention))
+    for spec in args.tier or []:
+        if _is_bucket(spec):
+            name, _, url = spec.partition("=")
+            buckets.append(_bucket(name, url, args.endpoint_url, args.region, RetentionPolicy()))
+    return buckets
+
+
+def bucket_at(url: str, args: argparse.Namespace) -> BucketPolicies:
+    """A bucket given by its URL alone (``tierstate inspect s3://...``), named ``bucket``."""
+    return _bucket("bucket", url, args.endpoint_url, args.region, RetentionPolicy())
+
+
+def every_tier(args: argparse.Namespace) -> list[AnyPolicies]:
+    """The directory tiers of the options, then the buckets; a name given twice is refused."""
+    tiers: list[AnyPolicies] = [*tiers_of(args), *load_buckets(args)]
+    names = [t.tier.name for t in tiers]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"tier {repeated[0]!r} is given twice")
+    return tiers
+
+
+def split(tiers: Sequence[AnyPolicies]) -> tuple[list[TierPolicies], list[BucketPolicies]]:
+    """The directory tiers and the buckets of ``tiers``, each in order."""
+    return [t for t in tiers if isinstance(t, TierPolicies)], [t for t in tiers if isinstance(t, BucketPolicies)]
 
 
 def tiers_of(args: argparse.Namespace) -> list[TierPolicies]:
@@ -85,7 +140,7 @@ def must_exist(read: Sequence[FilesystemTier]) -> None:
         print(f"tierstate: note: tier {tier.name} has no directory {tier.root} (yet); taken as empty", file=sys.stderr)
 
 
-def pick(tiers: Sequence[TierPolicies], name: str, option: str) -> TierPolicies:
+def pick(tiers: Sequence[P], name: str, option: str) -> P:
     """The tier called ``name``; the error names the option and the tiers there are."""
     for policies in tiers:
         if policies.tier.name == name:
@@ -94,7 +149,7 @@ def pick(tiers: Sequence[TierPolicies], name: str, option: str) -> TierPolicies:
     raise UsageError(f"{option} {name}: no such tier (tiers: {known})")
 
 
-def select(tiers: Sequence[TierPolicies], names: Sequence[str] | None, option: str) -> list[TierPolicies]:
+def select(tiers: Sequence[P], names: Sequence[str] | None, option: str) -> list[P]:
     """The tiers named by a repeatable option, in tier order; all of them when it was not given."""
     if not names:
         return list(tiers)

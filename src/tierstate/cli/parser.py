@@ -56,8 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--config", metavar="YAML", help="pipeline YAML (or packaged config name) whose tiers and policies to use"
     )
-    common.add_argument("--tier", action="append", metavar="NAME=PATH", help="a tier directory (repeatable)")
+    common.add_argument(
+        "--tier", action="append", metavar="NAME=PATH", help="a tier directory, or s3://bucket/prefix (repeatable)"
+    )
     common.add_argument("--json", action="store_true", help="print JSON instead of tables and lines")
+    common.add_argument(
+        "--endpoint-url", metavar="URL", help="the S3 server of s3:// tiers, if not AWS's (default: $AWS_ENDPOINT_URL)"
+    )
+    common.add_argument("--region", help="the region of s3:// tiers (default: the AWS configuration's)")
     common.add_argument(
         "--node",
         metavar="NAME",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..tiers.commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
@@ -164,7 +165,10 @@ def prune_question(plan: Pruning) -> str:
 
 
 def leftovers(found: Sequence[Leftover], as_json: bool) -> int:
-    lines = [f"{f.tier} {f.path.name}: {f.reason} ({f.kind}, {f.age_s:.0f} s old)" for f in found]
+    lines = [
+        f"{f.tier} {f.path.name if isinstance(f.path, Path) else f.path}: {f.reason} ({f.kind}, {f.age_s:.0f} s old)"
+        for f in found
+    ]
     emit(as_json, [f.as_dict() for f in found], lines or ["no leftovers"])
     return 0
 

@@ -13,7 +13,8 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import get_args
@@ -23,15 +24,18 @@ from tierstate.errors import TierstateError
 from ..pipeline.config import ConfigError
 from ..pipeline.packaged import packaged_config, packaged_configs
 from ..tiers import commands
+from ..tiers.bucketcmds import AnyTier, bucket_entries, bucket_garbage
 from ..tiers.commands import Pruning, UsageError
 from ..tiers.convert import Format
 from ..tiers.export import ExportFormat
+from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
 from ..tiers.hfdir import MAX_SHARD_SIZE
 from ..tiers.pacing import Pacer
 from ..tiers.pending import flush_by_hand, mark_pending
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import collect_garbage
+from ..tiers.source import ByteSource
 from . import options, render
 from .progress import byte_progress
 from .s3 import run_s3
@@ -42,35 +46,48 @@ _BAD_INPUT = (UsageError, ConfigError, ManifestError)
 
 
 def _ls(args: argparse.Namespace) -> int:
-    policies = options.tiers_of(args)
+    policies, buckets = options.split(options.every_tier(args))
     tiers = [p.tier for p in policies]
     options.must_exist(tiers)
     entries = mark_pending(commands.list_checkpoints(tiers), policies)
-    return render.checkpoints(entries, [t.name for t in tiers], args.json)
+    entries += [entry for bucket in buckets for entry in bucket_entries(bucket.tier)]
+    return render.checkpoints(entries, [t.tier.name for t in [*policies, *buckets]], args.json)
 
 
-def _checkpoint_dir(args: argparse.Namespace) -> Path:
-    """``args.target``: a checkpoint directory (no tiers needed), or a step found on the tiers."""
+def _checkpoint(args: argparse.Namespace) -> Path | ByteSource:
+    """``args.target``: a checkpoint directory or ``s3://bucket/prefix/step-N`` (no tiers needed), or a
+    step found on the tiers (directories first, then buckets)."""
     target = args.target
+    if target.startswith("s3://"):
+        prefix, _, last = target.rstrip("/").rpartition("/")
+        if not last.startswith("step-") or not last.removeprefix("step-").isdigit():
+            raise UsageError(f"{target}: an s3:// checkpoint ends in /step-N (or give a step number and --tier)")
+        return options.bucket_at(prefix, args).tier.source(int(last.removeprefix("step-")))
     if not target.isdigit():
         if not Path(target).is_dir():
             raise UsageError(f"{target}: no such checkpoint directory (or give a step number)")
         return Path(target)
-    tiers = [p.tier for p in options.tiers_of(args)]
+    policies, buckets = options.split(options.every_tier(args))
+    tiers = [p.tier for p in policies]
     options.must_exist(tiers)
-    return commands.step_dir(tiers, int(target))
+    return commands.step_location([*tiers, *(b.tier for b in buckets)], int(target))
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    return render.items(commands.inspect_checkpoint(_checkpoint_dir(args)), args.json)
+    return render.items(commands.inspect_checkpoint(_checkpoint(args)), args.json)
 
 
 def _stats(args: argparse.Namespace) -> int:
-    return show_stats(_checkpoint_dir(args), args.json, args.trace)
+    return show_stats(_checkpoint(args), args.json, args.trace)
+
+
+def _directories(tiers: Sequence[AnyTier]) -> None:
+    """:func:`options.must_exist` for the directory tiers among ``tiers`` (a bucket was checked when built)."""
+    options.must_exist([t for t in tiers if isinstance(t, FilesystemTier)])
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    tiers = options.tiers_of(args)
+    tiers = options.every_tier(args)
     source = options.pick(tiers, args.source, "--from").tier
     target = options.pick(tiers, args.target, "--to").tier  # may not exist yet: migrate creates it
     if source.name == target.name:
@@ -79,7 +96,7 @@ def _migrate(args: argparse.Namespace) -> int:
         raise UsageError("give either a STEP or --all")
     fmt = options.choice(args.format, get_args(Format), "--format")
     bandwidth = options.size(args.bandwidth, "--bandwidth") if args.bandwidth else None
-    options.must_exist([source])
+    _directories([source])
     results = commands.migrate_steps(
         source, target, args.step, move=args.move, fmt=fmt, bandwidth=bandwidth, progress=byte_progress(not args.json)
     )
@@ -87,8 +104,8 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    chosen = [p.tier for p in options.select(options.tiers_of(args), args.only, "--only")]
-    options.must_exist(chosen)
+    chosen = [p.tier for p in options.select(options.every_tier(args), args.only, "--only")]
+    _directories(chosen)
     return render.verifications(commands.verify_steps(chosen, args.steps, byte_progress(not args.json)), args.json)
 
 
@@ -99,13 +116,14 @@ def _ask(question: str) -> bool:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    tiers = options.tiers_of(args)
-    chosen = options.select(tiers, args.only, "--only")
-    options.must_exist([p.tier for p in chosen])
+    every = options.every_tier(args)
+    chosen = options.select(every, args.only, "--only")
+    _directories([p.tier for p in chosen])
     only = {p.tier.name for p in chosen}
     if args.keep_last is not None or args.keep_every is not None:
         policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
-        tiers = [replace(p, retention=policy) if p.tier.name in only else p for p in tiers]
+        every = [replace(p, retention=policy) if p.tier.name in only else p for p in every]
+    tiers, buckets = options.split(every)
 
     def confirm(plan: Pruning) -> bool:
         """The plan shown (unless --json: one JSON document on stdout, the result's), then the question."""
@@ -114,7 +132,7 @@ def _prune(args: argparse.Namespace) -> int:
         return _ask(render.prune_question(plan))
 
     asking = sys.stdin.isatty() and not args.yes
-    done = commands.prune_tiers(tiers, only, dry_run=args.dry_run, confirm=confirm if asking else None)
+    done = commands.prune_tiers(tiers, only, dry_run=args.dry_run, confirm=confirm if asking else None, buckets=buckets)
     return render.pruning(done, args.json)
 
 
@@ -127,9 +145,11 @@ def _flush(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     older_than = options.duration(args.older_than, "--older-than")
-    chosen = [p.tier for p in options.select(options.tiers_of(args), args.only, "--only")]
-    options.must_exist(chosen)
-    return render.leftovers(collect_garbage(chosen, older_than, dry_run=args.dry_run), args.json)
+    tiers, buckets = options.split(options.select(options.every_tier(args), args.only, "--only"))
+    options.must_exist([p.tier for p in tiers])
+    found = collect_garbage([p.tier for p in tiers], older_than, dry_run=args.dry_run)
+    found += [f for b in buckets for f in bucket_garbage(b.tier, older_than, args.dry_run)]
+    return render.leftovers(found, args.json)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -138,9 +158,9 @@ def _export(args: argparse.Namespace) -> int:
     if fmt is None:  # argparse requires it; said here too for a caller that builds the arguments itself
         raise UsageError(f"export needs --format (one of {', '.join(formats)})")
     shard = options.size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else MAX_SHARD_SIZE
-    tiers = options.tiers_of(args)
+    tiers = options.every_tier(args)
     read = [p.tier for p in ([options.pick(tiers, args.source, "--from")] if args.source else tiers)]
-    options.must_exist(read)
+    _directories(read)
     writer = None
     if fmt == "dcp":  # a directory, written by DCP's own writer: torch.distributed.checkpoint loads only now
         if args.provider is not None:
@@ -156,16 +176,26 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    """A DCP checkpoint committed as step ``--step`` on the tier ``--to``, through a runner."""
+    """A DCP checkpoint committed as step ``--step`` on the tier ``--to``, through a runner; into a
+    bucket, committed in a scratch directory first, then uploaded (verified, the manifest last)."""
     from ..integrations.dcp import import_dcp
 
-    target = options.pick(options.tiers_of(args), args.target, "--to").tier
+    target = options.pick(options.every_tier(args), args.target, "--to").tier
     source = Path(args.source)
     if not (source / ".metadata").is_file():
         raise UsageError(f"{source}: not a DCP checkpoint directory (it has no .metadata file)")
     if args.step in target.steps():
         raise UsageError(f"--step {args.step}: tier {target.name} holds a checkpoint step {args.step} already")
-    report = import_dcp(source, target.name, target.root, args.step, allow_pickle=args.allow_pickle)
+    if isinstance(target, FilesystemTier):
+        report = import_dcp(source, target.name, target.root, args.step, allow_pickle=args.allow_pickle)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tierstate-import-") as scratch:
+            report = import_dcp(source, target.name, Path(scratch), args.step, allow_pickle=args.allow_pickle)
+            local = FilesystemTier(target.name, Path(scratch))
+            manifest = local.manifest(args.step)
+            with byte_progress(not args.json)(f"upload step {args.step}", manifest.stored_bytes) as advance:
+                sent = target.upload(local.step_dir(args.step), manifest, advance)
+        report = replace(report, path=sent.target)
     names = ", ".join(f"{name} ({layout})" for name, layout in report.names.items())
     line = f"step {report.step} ({report.tier}): {report.items} items, {report.bytes:,} bytes from {source}: {names}"
     print(json.dumps(report.as_dict(), indent=1) if args.json else line)

@@ -2,15 +2,15 @@
 
 ls, verify, push (a directory tier's step up), pull (a step down to a directory tier), prune and gc.
 The endpoint is ``--endpoint-url`` or ``$AWS_ENDPOINT_URL`` (botocore reads it), credentials the
-standard AWS chain. verify downloads each step to a temporary directory and verifies every frame
-there (a bucket has no random reads worth a second code path), then deletes the copy.
+standard AWS chain. verify reads every frame through the bucket's byte source (ranged GETs), as
+``tierstate verify --tier NAME=s3://...`` does. The regular commands take ``s3://`` tiers too
+(tiers/bucketcmds.py); these stay for the scripts that use them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +50,12 @@ def _emit(args: argparse.Namespace, lines: list[str], data: object) -> None:
 
 def run_s3(args: argparse.Namespace) -> int:
     # Imported here: the parser imports this module, and --help answers without importing torch.
+    from ..tiers.bucketcmds import verify_bucket_step
     from ..tiers.commands import UsageError
     from ..tiers.filesystem import FilesystemTier
     from ..tiers.objstore import ObjectStore
     from ..tiers.policy import RetentionPolicy
     from ..tiers.s3tier import S3Tier
-    from ..tiers.stored import StoredCheckpoint
     from . import options
     from .progress import byte_progress
 
@@ -72,12 +72,8 @@ def run_s3(args: argparse.Namespace) -> int:
     if args.action == "verify":
         bad: list[str] = []
         for step in args.steps or tier.steps():
-            with tempfile.TemporaryDirectory(prefix="tierstate-verify-") as scratch:
-                try:
-                    with progress(f"verify step {step}", tier.manifest(step).stored_bytes) as advance:
-                        tier.download(step, FilesystemTier("verify", Path(scratch)), advance)
-                except StoredCheckpoint.COPY_ERRORS as exc:
-                    bad.append(f"step {step}: {exc}")
+            with progress(f"verify step {step}", tier.manifest(step).stored_bytes) as advance:
+                bad += [f"step {step}: {problem}" for problem in verify_bucket_step(tier, step, advance).problems]
         _emit(args, bad or ["every frame verified"], {"problems": bad})
         return 1 if bad else 0
     if args.action == "push":

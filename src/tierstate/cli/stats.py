@@ -18,6 +18,7 @@ from typing import Any
 from ..pipeline.trace import chrome_trace
 from ..tiers.manifest import Manifest
 from ..tiers.rankstats import RankStatsRecord
+from ..tiers.source import ByteSource
 from ..tiers.stored import StoredCheckpoint
 from .tables import columns
 
@@ -66,10 +67,11 @@ def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
 
 
-def show_stats(directory: Path, as_json: bool, trace: str | None = None) -> int:
-    """Print what the checkpoint in ``directory`` cost; exit code 0 (ManifestError if it is no checkpoint).
-    ``trace``: also write its timeline there, as a Chrome/Perfetto trace (pipeline/trace.py)."""
-    manifest = StoredCheckpoint(directory).manifest
+def show_stats(location: Path | ByteSource, as_json: bool, trace: str | None = None) -> int:
+    """Print what the checkpoint at ``location`` (a directory or a bucket prefix) cost; exit code 0
+    (ManifestError if it is no checkpoint). ``trace``: also write its timeline there, as a
+    Chrome/Perfetto trace (pipeline/trace.py)."""
+    manifest = StoredCheckpoint(location).manifest
     print(json.dumps(stats_document(manifest), indent=1) if as_json else "\n".join(stats_lines(manifest)))
     if trace is not None:
         document = chrome_trace(manifest)

@@ -300,7 +300,7 @@ def _serializer(name: str, value: Any, laid_out: layout.Layout, allow_pickle: bo
 class ImportReport:
     step: int
     tier: str
-    path: Path
+    path: Path | str  # the checkpoint's directory, or its s3:// prefix when imported into a bucket
     names: dict[str, layout.Layout]
     items: int
     bytes: int

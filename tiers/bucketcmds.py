@@ -1,0 +1,157 @@
+"""The ``tierstate`` commands on a bucket tier (``s3://bucket/prefix``): ls, verify, migrate, prune, gc.
+
+Each returns the result types of :mod:`tiers.commands` (ls entries, :class:`~tiers.verify.VerifyResult`,
+:class:`~tiers.migrate.MigrateReport`, retention :class:`~tiers.retention.Decision` and
+:class:`~tiers.retention.Leftover`), so the command line renders a bucket's results next to a
+directory tier's, and a script reading ``--json`` sees one shape. Reading goes through the read
+object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.verify.verify_source` over a
+:class:`~tiers.s3tier.BucketSource`): the frames of a bucket are checked by the code that checks a
+directory's. Writing to a bucket is :meth:`S3Tier.upload` (verified source, data first, the manifest
+last with a conditional put); from it, :meth:`S3Tier.download` (verified before the local commit).
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .catalog import summary
+from .filesystem import FilesystemTier, TierError
+from .format import ManifestError
+from .integrity import Problem
+from .manifest import MANIFEST_NAME
+from .migrate import MigrateReport, paced
+from .objstore import Progress
+from .pacing import Pacer
+from .policy import RetentionPolicy
+from .retention import Decision, Leftover, delete_step
+from .s3tier import S3Tier, TransferReport
+from .source import ByteSource
+from .stored import StoredCheckpoint
+from .verify import VerifyResult
+
+AnyTier = FilesystemTier | S3Tier
+
+
+@dataclass(frozen=True)
+class BucketPolicies:
+    """A bucket tier with the retention its YAML section (or ``--keep-last``) gives it."""
+
+    tier: S3Tier
+    retention: RetentionPolicy = RetentionPolicy()
+
+
+def location_of(tier: AnyTier, step: int) -> Path | ByteSource:
+    """Where ``tier`` keeps ``step``, as :class:`~tiers.stored.StoredCheckpoint` takes it: a directory,
+    or a bucket prefix as a byte source."""
+    return tier.source(step) if isinstance(tier, S3Tier) else tier.step_dir(step)
+
+
+def _step_bytes(tier: S3Tier) -> dict[int, tuple[int, datetime]]:
+    """Per step with objects under its prefix: their total size and the newest one's time."""
+    found: dict[int, tuple[int, datetime]] = {}
+    for obj in tier.store.list("step-"):
+        head = obj.name.split("/", 1)[0].removeprefix("step-")
+        if head.isdigit():
+            size, newest = found.get(int(head), (0, obj.modified))
+            found[int(head)] = (size + obj.size, max(newest, obj.modified))
+    return found
+
+
+# --- ls -------------------------------------------------------------------------------------------
+def bucket_entries(tier: S3Tier) -> list[dict[str, Any]]:
+    """``tier``'s checkpoints as ls entries, then its steps without a manifest (a writer at work or a
+    killed one: no checkpoint) as ``partial`` ones with their age, as a directory's ``.partial``."""
+    entries: list[dict[str, Any]] = []
+    steps = tier.steps()
+    for step in steps:
+        try:
+            entries.append({"tier": tier.name, "state": "committed", "flushed": False, **summary(tier.manifest(step))})
+        except ManifestError as exc:
+            entries.append({"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)})
+    now = datetime.now(UTC)
+    for step, (size, newest) in sorted(_step_bytes(tier).items()):
+        if step not in steps:
+            age = round((now - newest).total_seconds(), 1)
+            entry = {"tier": tier.name, "step": f"step-{step}", "state": "partial", "stored_bytes": size, "age_s": age}
+            entries.append(entry)
+    return entries
+
+
+# --- verify ---------------------------------------------------------------------------------------
+def verify_bucket_step(tier: S3Tier, step: int, progress: Progress | None = None) -> VerifyResult:
+    """Recompute every checksum of ``step`` in the bucket through its byte source (ranged GETs); a
+    manifest that does not read is the result's problem, as on a directory tier."""
+    started = time.perf_counter()
+    try:
+        checkpoint = StoredCheckpoint(tier.source(step), step)
+        problems, stored = checkpoint.verify(progress), checkpoint.stored_bytes
+    except ManifestError as exc:
+        problems, stored = [Problem(MANIFEST_NAME, None, str(exc))], 0
+    where = tier.store.where(f"step-{step}")
+    return VerifyResult(tier.name, step, where, stored, time.perf_counter() - started, problems)
+
+
+# --- migrate --------------------------------------------------------------------------------------
+def migrate_bucket(
+    step: int,
+    source: AnyTier,
+    target: AnyTier,
+    *,
+    move: bool = False,
+    pacer: Pacer | None = None,
+    progress: Progress | None = None,
+) -> MigrateReport:
+    """Copy (``move``: then delete the source's copy) ``step`` between a directory tier and a bucket,
+    either way; every frame verified on the way (see the module)."""
+    started = time.perf_counter()
+    advance = paced(progress, pacer)
+    manifest = source.manifest(step)
+    if isinstance(target, S3Tier) and isinstance(source, FilesystemTier):
+        transfer: TransferReport = target.upload(source.step_dir(step), manifest, advance)
+    elif isinstance(source, S3Tier) and isinstance(target, FilesystemTier):
+        transfer = source.download(step, target, advance)
+    else:
+        raise TierError(errno.EOPNOTSUPP, f"step {step}: {source.name} -> {target.name}: both are buckets; "
+                        "migrate through a directory tier")  # fmt: skip
+    frames = sum(len(record.frames) for record in manifest.files.values())
+    copied = transfer.outcome == "copied"
+    report = MigrateReport(
+        step, source.name, target.name, transfer.target, transfer.outcome, frames,
+        frames_copied=frames if copied else 0, frames_reused=0 if copied else frames,
+        bytes_copied=transfer.bytes, bytes_reused=0 if copied else manifest.stored_bytes,
+    )  # fmt: skip
+    if move:
+        if isinstance(source, S3Tier):
+            source.delete_step(step)
+        else:
+            delete_step(source, step)
+        report.moved = True
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# --- prune and gc ---------------------------------------------------------------------------------
+def prune_bucket(policies: BucketPolicies, dry_run: bool) -> tuple[list[Decision], dict[tuple[str, int], int]]:
+    """Apply the bucket's retention (manifest first, so a step stops being a checkpoint at once); the
+    decision per step and each step's bytes in the bucket."""
+    tier, retention = policies.tier, policies.retention
+    steps = tier.steps()
+    sizes = {(tier.name, step): size for step, (size, _) in _step_bytes(tier).items() if step in steps}
+    decisions = []
+    for step in steps:
+        reason = retention.keeps(step, steps)
+        if reason is None and not dry_run:
+            tier.delete_step(step)
+        decisions.append(Decision(tier.name, step, reason is None, reason or f"not kept by {retention.describe()}"))
+    return decisions, sizes
+
+
+def bucket_garbage(tier: S3Tier, older_than: float, dry_run: bool) -> list[Leftover]:
+    """:meth:`S3Tier.collect_garbage` as the gc command's leftovers."""
+    found = tier.collect_garbage(older_than, dry_run=dry_run)
+    return [Leftover(tier.name, f.what, f.kind, f.age_s, f.removed, "dry run" if dry_run else "removed") for f in found]
