@@ -25,8 +25,7 @@ from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.gcpause import gc_paused
 from ..tiers.s3tier import S3Tier
-from ..tiers.source import ByteSource
-from ..tiers.stored import StoredCheckpoint
+from ..tiers.stored import Location, StoredCheckpoint
 
 log = logging.getLogger("tierstate")
 
@@ -80,7 +79,7 @@ def candidate_steps(held: Collection[int], which: int | str, fallback: bool) -> 
     return [wanted] + (sorted((s for s in held if s < wanted), reverse=True) if fallback else [])
 
 
-Copy = tuple[str, Path | ByteSource]  # a tier's name, and where its copy of a step is
+Copy = tuple[str, Location]  # a tier's name, and where its copy of a step is
 
 
 def copies_of(step: int, tiers: Sequence[FilesystemTier], buckets: Sequence[S3Tier]) -> list[Copy]:

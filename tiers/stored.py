@@ -44,10 +44,13 @@ from .records import AnyRecord, ObjectRecord, PerRankRecord, ShardedRecord, Tens
 from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
 from .source import ByteSource, DirectorySource, as_source
 
+Location = Path | ByteSource  # where a stored checkpoint is: a step directory, or a bucket prefix's source
+
 __all__ = [
     "COPY_ERRORS",
     "CorruptCheckpointError",
     "LiveRead",
+    "Location",
     "MissingItemError",
     "RankView",
     "Region",
@@ -78,7 +81,7 @@ class StoredCheckpoint:
     #: policy (an object that needs pickle) is not among them: every copy would be refused alike.
     COPY_ERRORS = COPY_ERRORS
 
-    def __init__(self, location: Path | ByteSource, step: int | None = None, manifest: Manifest | None = None) -> None:
+    def __init__(self, location: Location, step: int | None = None, manifest: Manifest | None = None) -> None:
         self.source = as_source(location)
         self.manifest = manifest if manifest is not None else read_manifest(self.source)
         if step is not None and self.manifest.step != step:
@@ -87,7 +90,7 @@ class StoredCheckpoint:
 
     @classmethod
     @contextlib.contextmanager
-    def locked(cls, location: Path | ByteSource, step: int | None = None) -> Iterator[StoredCheckpoint]:
+    def locked(cls, location: Location, step: int | None = None) -> Iterator[StoredCheckpoint]:
         """The checkpoint, read under a shared lock held until the block ends, so that retention or a
         migration cannot delete it while it is being read (a directory; other sources have no lock)."""
         source = as_source(location)

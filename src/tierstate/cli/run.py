@@ -35,7 +35,7 @@ from ..tiers.pacing import Pacer
 from ..tiers.pending import flush_by_hand, mark_pending
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import collect_garbage
-from ..tiers.source import ByteSource
+from ..tiers.stored import Location
 from . import options, render
 from .progress import byte_progress
 from .s3 import run_s3
@@ -54,7 +54,7 @@ def _ls(args: argparse.Namespace) -> int:
     return render.checkpoints(entries, [t.tier.name for t in [*policies, *buckets]], args.json)
 
 
-def _checkpoint(args: argparse.Namespace) -> Path | ByteSource:
+def _checkpoint(args: argparse.Namespace) -> Location:
     """``args.target``: a checkpoint directory or ``s3://bucket/prefix/step-N`` (no tiers needed), or a
     step found on the tiers (directories first, then buckets)."""
     target = args.target

@@ -18,8 +18,7 @@ from typing import Any
 from ..pipeline.trace import chrome_trace
 from ..tiers.manifest import Manifest
 from ..tiers.rankstats import RankStatsRecord
-from ..tiers.source import ByteSource
-from ..tiers.stored import StoredCheckpoint
+from ..tiers.stored import Location, StoredCheckpoint
 from .tables import columns
 
 _COLUMNS = ("stage", "units", "passed", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")
@@ -67,7 +66,7 @@ def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
 
 
-def show_stats(location: Path | ByteSource, as_json: bool, trace: str | None = None) -> int:
+def show_stats(location: Location, as_json: bool, trace: str | None = None) -> int:
     """Print what the checkpoint at ``location`` (a directory or a bucket prefix) cost; exit code 0
     (ManifestError if it is no checkpoint). ``trace``: also write its timeline there, as a
     Chrome/Perfetto trace (pipeline/trace.py)."""
