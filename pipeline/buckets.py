@@ -14,16 +14,23 @@ Restore: when a run starts on local tiers that lack the step asked for (a new ma
 :meth:`BucketFlusher.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
 verified before the local commit); the restore then reads it there as any local copy. Only a job
 of one process (or the leader of a shared persist tier) flushes; a node-scoped part is not uploaded.
+
+The persist bucket (``config.persist_bucket``: the persist stage names a bucket with ``staging``):
+the stage writes and commits each checkpoint in the staging directory, then :meth:`BucketFlusher.publish`
+uploads it (verified, data first, the manifest last with the conditional put) before the runner
+reports it durable; so a checkpoint is durable exactly when its manifest is in the bucket, and of
+two runs writing one step there, one fails naming the step. One process only, for now.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from ..tiers.filesystem import FilesystemTier
+from ..tiers.filesystem import FilesystemTier, TierError
 from ..tiers.locks import reading
 from ..tiers.objstore import ObjectStore
 from ..tiers.pacing import Pacer
@@ -47,8 +54,14 @@ class _Bucket:
 class BucketFlusher:
     """The buckets of one runner; ``active``: this process is the one that uploads (see the module)."""
 
-    def __init__(self, config: PipelineConfig, active: bool) -> None:
+    def __init__(self, config: PipelineConfig, active: bool, single: bool) -> None:
         self._active = active
+        self._persist = config.persist_bucket
+        if self._persist is not None and not single:
+            raise TierError(
+                errno.EOPNOTSUPP, f"tier {self._persist}: a bucket is the persist tier of one process only (not yet "
+                "of several ranks): persist to a directory tier and flush to the bucket",
+            )  # fmt: skip
         self._buckets: list[_Bucket] = []
         self._pending: list[Future[None]] = []
         self._failures: list[FlushFailure] = []
@@ -72,6 +85,8 @@ class BucketFlusher:
         if not self._active:
             return
         for bucket in self._buckets:
+            if bucket.tier.name == self._persist:
+                continue  # published before the checkpoint was durable
             if bucket.flush is not None and bucket.pool is not None and bucket.flush.due(step):
                 # Read-locked from now until uploaded: local retention keeps a step someone reads, so the
                 # copy cannot be pruned while its upload waits its turn (a flush tier's copy is pinned alike).
@@ -83,6 +98,25 @@ class BucketFlusher:
                     continue
                 self._pending.append(bucket.pool.submit(self._flush, bucket, step, source, held))
 
+    @property
+    def persist_bucket(self) -> str | None:
+        return self._persist
+
+    def publish(self, step: int, source: FilesystemTier) -> None:
+        """Upload ``step`` from the staging tier ``source`` to the persist bucket, then apply the bucket's
+        retention; raises what the upload raised (the checkpoint then fails)."""
+        (bucket,) = [b for b in self._buckets if b.tier.name == self._persist]
+        with reading(source.step_dir(step)):
+            bucket.tier.upload(source.step_dir(step), source.manifest(step))
+        self._retain(bucket)
+        log.info("checkpoint step %d published in %s", step, bucket.tier.store.where())
+
+    def _retain(self, bucket: _Bucket) -> None:
+        steps = bucket.tier.steps()
+        for old in steps:
+            if bucket.retention.keeps(old, steps) is None:
+                bucket.tier.delete_step(old)
+
     def _failed(self, failure: FlushFailure) -> None:
         log.error("%s", failure)
         self._failures.append(failure)
@@ -93,10 +127,7 @@ class BucketFlusher:
             with held:
                 directory = source.step_dir(step)
                 bucket.tier.upload(directory, source.manifest(step), pacer.wait if pacer is not None else None)
-            steps = bucket.tier.steps()
-            for old in steps:
-                if bucket.retention.keeps(old, steps) is None:
-                    bucket.tier.delete_step(old)
+            self._retain(bucket)
             log.info("checkpoint step %d flushed to %s", step, bucket.tier.store.where())
         except Exception as exc:  # noqa: BLE001 - a flush never reaches the training loop; reported by drain
             self._failed(FlushFailure(step, bucket.tier.name, exc))

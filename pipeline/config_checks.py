@@ -22,8 +22,9 @@ def semantic_problems(config: ConfigSchema) -> list[tuple[str, str]]:
         if isinstance(stage, PersistStage) and stage.tier in config.buckets:
             problems.append((
                 f"pipeline.stages.{name}.tier",
-                f"tier {stage.tier!r} is a bucket (kind: s3), which takes flushes, not the persist stage's "
-                "writes: persist to a directory tier and give the bucket a flush policy",
+                f"tier {stage.tier!r} is a bucket (kind: s3): to persist to it, give it a local staging "
+                f"directory (tiers.{stage.tier}.staging), or persist to a directory tier and give the bucket "
+                "a flush policy",
             ))
         elif isinstance(stage, PersistStage) and stage.tier not in config.tiers:
             problems.append((

@@ -154,6 +154,10 @@ class S3TierConfig(_Strict):
     one); credentials come from the standard AWS chain (environment, profile, instance role), never
     from the YAML. It receives flushes (``flush``, as a directory tier does) and keeps what
     ``retention`` says; it is read when no local tier holds a checkpoint (tiers/s3tier.py).
+
+    As the persist stage's tier (one process only), each checkpoint is written to ``staging`` (a
+    local directory, kept as a tier named ``<name>-staging`` with ``keep_last: 1``) and uploaded,
+    the manifest last with a conditional put, before the checkpoint is reported durable.
     """
 
     kind: Literal["s3"]
@@ -162,6 +166,7 @@ class S3TierConfig(_Strict):
     region: str | None = None
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
+    staging: str | None = None
 
 
 class StageBase(_Strict):
@@ -276,6 +281,26 @@ Tiers = Annotated[dict[TierName, TierConfig], Field(min_length=1)]
 TIERS: TypeAdapter[dict[str, TierConfig]] = TypeAdapter(Tiers)
 
 
+def _persist_through_staging(data: dict[str, Any], buckets: Mapping[str, Any]) -> dict[str, Any]:
+    """A persist stage naming a bucket with ``staging``: it writes to the staging directory, put first
+    among the tiers as ``<bucket>-staging`` (kept: the newest step), and ``persist_bucket`` names the
+    bucket the runner uploads each checkpoint to before it is durable. Without ``staging`` it is left
+    as it is, and the cross-section checks refuse it, naming the key."""
+    pipeline = data.get("pipeline")
+    stages = pipeline.get("stages") if isinstance(pipeline, Mapping) else None
+    if not isinstance(pipeline, Mapping) or not isinstance(stages, Mapping):
+        return data
+    for name, stage in stages.items():
+        named = stage.get("tier") if isinstance(stage, Mapping) and stage.get("kind", name) == "persist" else None
+        bucket = buckets.get(named) if isinstance(named, str) else None
+        if isinstance(bucket, Mapping) and bucket.get("staging"):
+            staging = f"{named}-staging"
+            tiers = {staging: {"path": bucket["staging"], "retention": {"keep_last": 1}}, **data["tiers"]}
+            stages = {**stages, name: {**stage, "tier": staging}}
+            return {**data, "tiers": tiers, "pipeline": {**pipeline, "stages": stages}, "persist_bucket": named}
+    return data
+
+
 class ConfigSchema(_Strict):
     """The whole spec, each section valid on its own; :class:`~tierstate.pipeline.config.PipelineConfig`
     adds the checks across sections, so only that one is sure to have a well-formed stage chain."""
@@ -289,6 +314,9 @@ class ConfigSchema(_Strict):
     #: The ``kind: s3`` entries of ``tiers``, moved here when the YAML is read (``_buckets_apart``): every
     #: reader of ``tiers`` works on directories, a bucket is flushed to and read by pipeline/buckets.py.
     buckets: dict[TierName, S3TierConfig] = {}
+    #: The bucket the persist stage names (its ``staging`` directory is the tier the stage writes to),
+    #: set by ``_buckets_apart``; None when the persist tier is a directory.
+    persist_bucket: TierName | None = None
     pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
 
@@ -332,7 +360,8 @@ class ConfigSchema(_Strict):
         if not buckets:
             return data
         rest = {n: t for n, t in tiers.items() if n not in buckets}
-        return {**data, "tiers": rest, "buckets": {**data.get("buckets", {}), **buckets}}
+        data = {**data, "tiers": rest, "buckets": {**data.get("buckets", {}), **buckets}}
+        return _persist_through_staging(data, buckets)
 
     @model_validator(mode="before")
     @classmethod

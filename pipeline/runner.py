@@ -55,6 +55,7 @@ from .room import Room
 from .stages.capture import SlabCopier
 from .tierpaths import check_tier_paths
 from .trace import marks
+from .units import run_blocking
 
 log = logging.getLogger("tierstate")
 
@@ -130,7 +131,8 @@ class Runner:
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         # kind: s3 tiers (pipeline/buckets.py), checked here: bad credentials or a missing bucket fail now.
         shared = config.tiers[config.persist_tier].scope == "shared"  # many ranks: its leader uploads whole steps
-        self._buckets = BucketFlusher(config, active=self._group is None or (shared and self.rank == 0))
+        active = self._group is None or (shared and self.rank == 0)
+        self._buckets = BucketFlusher(config, active=active, single=self._group is None)
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
@@ -230,7 +232,8 @@ class Runner:
         if self._closed:
             raise RunnerClosedError(self._closed_reason())
         step = checked_step(step, self.durable_tier, self._group is not None, bool(self.providers.children))
-        completer = HandleCompleter(step, [self.config.persist_tier, *self._flusher.due(step)], self._count)
+        durable_on = self._buckets.persist_bucket or self.config.persist_tier  # a bucket, published from its staging
+        completer = HandleCompleter(step, [durable_on, *self._flusher.due(step)], self._count)
         handle = completer.handle
         with self._lock:
             previous = self._inflight
@@ -304,6 +307,8 @@ class Runner:
     async def _run(self, job: CheckpointJob, completer: HandleCompleter, copies: list[TensorItem]) -> None:
         try:
             path = await job.run()
+            if self._buckets.persist_bucket is not None:  # durable once its manifest is in the bucket
+                await run_blocking(self._io, self._buckets.publish, job.step, self.durable_tier)
         except BaseException as exc:  # report, never raise into training
             release_copies(copies)
             self.history.append((completer.handle, job.stats))
@@ -313,7 +318,8 @@ class Runner:
             return
         release_copies(copies)
         self.history.append((completer.handle, job.stats))
-        completer.durable(CheckpointResult.of(job.step, self.durable_tier.name, path, job.stats))
+        tier = self._buckets.persist_bucket or self.durable_tier.name
+        completer.durable(CheckpointResult.of(job.step, tier, path, job.stats))
         self._flusher.committed(completer)
         self._buckets.committed(job.step, self.durable_tier)
         if self._peers is not None:

@@ -74,9 +74,49 @@ def test_runner_construction_names_missing_credentials(make_runner, endpoint, bu
         make_runner(**_bucket_tier(endpoint, f"s3://{bucket}/x"))
 
 
-def test_a_bucket_is_not_the_persist_tier(make_runner, endpoint, bucket):
-    with pytest.raises(ConfigError, match="is a bucket"):
+def test_a_bucket_without_staging_is_not_the_persist_tier(make_runner, endpoint, bucket):
+    with pytest.raises(ConfigError, match="is a bucket .*tiers.bucket.staging"):
         make_runner(**_bucket_tier(endpoint, f"s3://{bucket}/x"), **{"pipeline.stages.persist.tier": "bucket"})
+
+
+def _persist_to_bucket(endpoint: str, url: str, staging) -> dict:
+    settings = _bucket_tier(endpoint, url)
+    settings["tiers.bucket"] = {**settings["tiers.bucket"], "staging": str(staging)}
+    del settings["tiers.bucket"]["flush"]
+    return {**settings, "pipeline.stages.persist.tier": "bucket"}
+
+
+def test_the_bucket_as_persist_tier_of_one_process(make_runner, endpoint, bucket, tmp_path):
+    url = f"s3://{bucket}/persist"
+    tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint))
+    state = {"w": torch.randn(3 * MiB), "b": torch.arange(1000, dtype=torch.int64)}
+    runner = make_runner(chunk_size="1MiB", **_persist_to_bucket(endpoint, url, tmp_path / "staging"))
+    runner.register(model=TensorDictProvider(state))
+    for step in (1, 2, 3):
+        state["w"].add_(1)
+        result = runner.checkpoint(step).result()
+        assert result.tier == "bucket" and step in tier.steps()  # durable = its manifest is in the bucket
+    expected = {k: v.clone() for k, v in state.items()}
+    runner.close()
+    assert tier.steps() == [2, 3]  # the bucket's keep_last: 2
+    assert FilesystemTier("staging", tmp_path / "staging").steps() == [3]  # staging keeps the newest only
+    assert tier.store.uploads() == [] and tier.incomplete_steps() == set()
+
+    # A second run on the same prefix cannot publish step 3 again: its checkpoint fails, naming it.
+    other = make_runner(chunk_size="1MiB", **_persist_to_bucket(endpoint, url, tmp_path / "staging2"))
+    other.register(model=TensorDictProvider({k: v.clone() for k, v in state.items()}))
+    handle = other.checkpoint(3)
+    assert "already holds a different checkpoint for step 3" in str(handle.exception())
+    other.close()
+
+    # Restore after the local directories are gone: from the bucket, bit-exact.
+    for directory in ("staging", "staging2", "nvme", "pfs"):
+        shutil.rmtree(tmp_path / directory, ignore_errors=True)
+    restored = {k: torch.zeros_like(v) for k, v in state.items()}
+    again = make_runner(chunk_size="1MiB", **_persist_to_bucket(endpoint, url, tmp_path / "staging"))
+    again.register(model=TensorDictProvider(restored))
+    assert again.restore().step == 3
+    assert all(torch.equal(restored[k], expected[k]) for k in expected)
 
 
 def _cli(endpoint: str, *args: str) -> subprocess.CompletedProcess:
