@@ -184,10 +184,14 @@ def test_the_facade_names_each_public_name_once_for_the_interpreter_and_for_type
     [block] = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
     typed = {(alias.name, node.module) for node in block.body for alias in node.names}
     homes = {(name, module) for module, names in tierstate._HOMES.items() for name in names}
-    assert typed == homes
-    assert sorted(tierstate.__all__) == sorted([name for name, _ in homes] + ["TierstateError", "__version__"])
+    modules = {(name, module.rpartition(".")[0]) for name, module in tierstate._MODULES.items()}  # public modules
+    assert typed == homes | modules
+    public = [name for name, _ in homes | modules] + ["TierstateError", "__version__"]
+    assert sorted(tierstate.__all__) == sorted(public)
     for name, module in homes:
         assert getattr(tierstate, name) is getattr(sys.modules[module], name)
+    for name, module in tierstate._MODULES.items():
+        assert getattr(tierstate, name) is sys.modules[module]
     assert "Runner" in dir(tierstate)
     with pytest.raises(AttributeError, match="module 'tierstate' has no attribute 'Runer'"):
         tierstate.Runer  # noqa: B018
