@@ -84,7 +84,8 @@ def two_nodes(workdir: Path, scenario: str) -> None:
     nodes = [launch(workdir, scenario, port, node) for node in (0, 1)]
     for node, proc in enumerate(nodes):
         out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-        assert proc.returncode == 0, f"node n{node}, {scenario}:\n{out[-6000:]}"
+        torn_down = f"NODES-DONE {scenario}" in out and TEARDOWN_ABORT in out  # torch's gloo teardown abort
+        assert proc.returncode == 0 or torn_down, f"node n{node}, {scenario}:\n{out[-6000:]}"
 
 
 def facts(workdir: Path, scenario: str, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
