@@ -8,9 +8,8 @@ favour of the same step on a slower tier; bad data is never handed to a provider
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ from ..providers.base import ReadState, RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
-from ..tiers.gcpause import gc_paused
-from ..tiers.s3tier import S3Tier
 from ..tiers.stored import Location, StoredCheckpoint
 
 log = logging.getLogger("tierstate")
@@ -82,14 +79,6 @@ def candidate_steps(held: Collection[int], which: int | str, fallback: bool) -> 
 Copy = tuple[str, Location]  # a tier's name, and where its copy of a step is
 
 
-def copies_of(step: int, tiers: Sequence[FilesystemTier], buckets: Sequence[S3Tier]) -> list[Copy]:
-    """Each copy of ``step`` as (tier name, location), nearest first: the tiers' directories in their
-    order, then the buckets' prefixes, the slowest copy and so the last resort (read where they are,
-    through the same reader, every frame verified)."""
-    local: list[Copy] = [(t.name, t.step_dir(step)) for t in tiers if step in t.steps()]
-    return local + [(b.name, b.source(step)) for b in buckets if step in b.steps()]
-
-
 def tier_roots(tiers: list[FilesystemTier]) -> str:
     """``name=root`` of each tier, for errors that must say where was looked."""
     return ", ".join(f"{t.name}={t.root}" for t in tiers)
@@ -123,70 +112,6 @@ def fresh_read(state: dict[str, Any], fill: Callable[[], None] | None = None) ->
     return ReadState(state, fresh, fill)
 
 
-def restore_into(
-    provider: CompositeProvider,
-    tiers: list[FilesystemTier],
-    which: int | str,
-    allow_pickle: bool,
-    fallback: bool = False,
-    buckets: Sequence[S3Tier] = (),
-) -> RestoreResult:
-    """Restore ``which`` into ``provider``'s children; only their items are read.
-
-    The whole copy is read and its checksums verified before any provider is touched, and the
-    providers are restored all or none (:meth:`CompositeProvider.restore`).
-
-    Another tier's copy of the same step is always tried, since it holds the same verified bytes.
-    An older step is tried only with ``fallback``, because it silently loses training progress
-    otherwise; every copy skipped is logged and listed in the result's ``problems``, and so is every
-    ``step-N`` directory passed over that is no checkpoint (it lost its manifest). ``buckets`` hold
-    copies too, tried after every tier's copy of the same step (before an older step).
-    """
-    held = {s for tier in [*tiers, *buckets] for s in tier.steps()}
-    if checked_target(which) == "latest" and not held:
-        lost = lost_steps(tiers, 0)
-        if lost:  # checkpoints were there and are damaged: not a fresh start
-            raise NoCheckpointError(f"no usable checkpoint on any tier ({tier_roots(tiers)}): {'; '.join(lost)}")
-        raise NothingToRestoreError(f"no committed checkpoint on any tier ({tier_roots(tiers)})")
-    candidates = candidate_steps(held, which, fallback)
-    newest = None if which == "latest" else candidates[0]  # lost steps newer than this were never asked for
-    if which == "latest" and not fallback:
-        refuse_lost_newer(tiers, candidates[0])
-    problems: list[str] = []
-    for step in candidates:
-        for name, location in copies_of(step, tiers, buckets):
-            started = time.perf_counter()
-            try:
-                # Locked: retention cannot delete it while it is being read.
-                with StoredCheckpoint.locked(location, step) as checkpoint:
-                    require_providers(checkpoint, provider, f"restore step {step} from {checkpoint.where}")
-                    keys = checkpoint.keys_of(provider.children)
-                    read = checkpoint.read_into(provider.restore_destinations(), keys, allow_pickle=allow_pickle)
-                    state = fresh_read(read.values, read.fill)
-            except StoredCheckpoint.COPY_ERRORS as exc:
-                log.warning("restore step %d: copy on tier %s is unusable: %s", step, name, exc)
-                problems.append(f"step {step} on tier {name}: {exc}")
-                continue
-            if step != candidates[0]:
-                log.warning("restore: step %d is unusable, fell back to step %d", candidates[0], step)
-            if checkpoint.directory is None:
-                log.warning("restore step %d: read from tier %s (%s), no nearer copy was usable", step, name,
-                            checkpoint.where)  # fmt: skip
-            lost = lost_steps(tiers, step, newest)
-            for problem in lost:
-                log.warning("restore: passed over %s", problem)
-            with gc_paused():  # one copy per item: see tiers/gcpause.py
-                provider.restore(state)
-            seconds = time.perf_counter() - started
-            problems = lost + problems
-            return RestoreResult(
-                step, name, checkpoint.directory, checkpoint.stored_bytes, seconds, tuple(problems), (name,),
-                source=checkpoint.where,
-            )  # fmt: skip
-    problems = lost_steps(tiers, min(candidates), newest) + problems
-    raise NoCheckpointError(unusable(candidates[0], fallback, problems))
-
-
 def require_providers(
     checkpoint: StoredCheckpoint, provider: CompositeProvider, where: str, leave_out: Collection[str] = ()
 ) -> None:
@@ -203,18 +128,6 @@ def require_providers(
         raise RestoreError(
             f"{where}: the checkpoint has no provider {names} (it has: {', '.join(held) or 'nothing'}); "
             "register each under the name it was saved with"
-        )
-
-
-def refuse_lost_newer(tiers: list[FilesystemTier], newest_held: int) -> None:
-    """``restore("latest")`` without ``fallback`` when a newer ``step-N`` lost its manifest (or is a
-    symlink): refused, as a newest step whose manifest is damaged or names another step is. Taking
-    the older step would silently lose the progress in between; ``fallback=True`` takes it, saying so."""
-    lost = lost_steps(tiers, newest_held + 1)
-    if lost:
-        raise NoCheckpointError(
-            f"cannot restore the latest step: {'; '.join(lost)}; restore(..., fallback=True) takes the newest "
-            f"older step ({newest_held}) and reports the one(s) passed over"
         )
 
 

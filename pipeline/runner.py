@@ -36,9 +36,9 @@ from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.hostcache import HostCache
+from .agreement import restore_checkpoint
 from .buckets import BucketFlusher
 from .config import PipelineConfig, load_config, parse_config
-from .dist_restore import restore_across_ranks
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure, FlushRole
 from .fresh import start_fresh
@@ -50,8 +50,9 @@ from .peers import PeerLink
 from .plan_cache import PlanCache
 from .registration import provider_for
 from .request import Request, checked_step, prepare
-from .restore import RestoreResult, nearest_first, restore_into
+from .restore import RestoreResult, nearest_first
 from .room import Room
+from .solo import SoloGroup
 from .stages.capture import SlabCopier
 from .tierpaths import check_tier_paths
 from .trace import marks
@@ -367,11 +368,9 @@ class Runner:
         if self._group is None:  # no local copy of the step (a wiped or new machine): a bucket's, copied down
             self._buckets.fetch(which, self.durable_tier, {s for t in self.tiers for s in t.steps()})
         tiers = nearest_first(self.tiers, returned)
-        if self._group is not None:
-            return restore_across_ranks(self._group, self.providers, tiers, which, allow_pickle, fallback)
-        return restore_into(
-            self.providers, tiers, which, allow_pickle=allow_pickle, fallback=fallback, buckets=self._buckets.tiers
-        )
+        group = self._group if self._group is not None else SoloGroup()
+        buckets = self._buckets.tiers if self._group is None else ()
+        return restore_checkpoint(group, self.providers, tiers, which, allow_pickle, fallback, buckets)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

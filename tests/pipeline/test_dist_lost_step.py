@@ -1,7 +1,7 @@
 """restore("latest") on many ranks follows the one-rank rule for a newer step that lost its manifest.
 
-Every rank sends what its tiers hold (``_Holdings.of``, real tiers on disk) and every rank decides
-from the same gathered list (``_agreed_candidates``), so here the holdings of two ranks are built
+Every rank sends what its tiers hold (``Holdings.of``, real tiers on disk) and every rank decides
+from the same gathered list (``agreed_candidates``), so here the holdings of two ranks are built
 from two real tier directories and decided on as each rank would, without processes.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstate.pipeline.dist_restore import _agreed_candidates, _Holdings
+from tierstate.pipeline.agreement import Holdings, agreed_candidates
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier
@@ -35,14 +35,14 @@ def _two_ranks_tiers(make_runner, tmp_path: Path) -> tuple[list[FilesystemTier],
 
 def test_a_lost_newer_step_on_any_rank_is_refused_without_fallback(make_runner, tmp_path: Path) -> None:
     rank0, rank1 = _two_ranks_tiers(make_runner, tmp_path)
-    holdings = [_Holdings.of(rank0, "latest", False), _Holdings.of(rank1, "latest", False)]
+    holdings = [Holdings.of(rank0, (), "latest", False), Holdings.of(rank1, (), "latest", False)]
     with pytest.raises(NoCheckpointError, match=r"cannot restore the latest step: rank 0: step 2 on tier nvme"):
-        _agreed_candidates(holdings)  # before: step 1 was taken, step 2 named only in problems
+        agreed_candidates(holdings)  # before: step 1 was taken, step 2 named only in problems
 
 
 def test_with_fallback_the_older_step_is_taken_and_the_lost_one_reported(make_runner, tmp_path: Path) -> None:
     rank0, rank1 = _two_ranks_tiers(make_runner, tmp_path)
-    holdings = [_Holdings.of(rank0, "latest", True), _Holdings.of(rank1, "latest", True)]
-    wanted, candidates, problems = _agreed_candidates(holdings)
+    holdings = [Holdings.of(rank0, (), "latest", True), Holdings.of(rank1, (), "latest", True)]
+    wanted, candidates, problems = agreed_candidates(holdings)
     assert (wanted, candidates) == (1, [1])
     assert any(p.startswith("rank 0: step 2 on tier nvme: not a checkpoint") for p in problems)

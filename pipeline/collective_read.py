@@ -1,4 +1,4 @@
-"""Restore on many ranks: each rank gets its own state, each stored byte is read once per node.
+"""Reading one copy of a step on every rank at once: each rank its own part, each stored byte once per node.
 
 What a rank needs is a list of regions, one per tensor item: a box of a stored tensor, the whole of
 it for a replicated item, this rank's shard (cut from however the checkpoint was sharded) for a
@@ -19,22 +19,17 @@ A node's part of a checkpoint (on a node-scoped tier, see :mod:`tiers.nodeparts`
 files of that node's ranks, so there the shared regions and objects are read where their file is
 (by the rank that wrote them, with the world size of the save) and sent over the whole group.
 
-Every step of the way is agreed on, so that no rank is ever left waiting in a collective: the
-ranks exchange which steps their tiers hold and take the newest one every rank holds (tiers may
-differ between ranks: a node's own NVMe, a shared PFS); a copy is used only if every rank read its
-part of it cleanly (a rank that could not moves on to its next copy of the step); and the
-providers are restored only if every rank's check passed, and kept only if every rank's restore
-succeeded. So all ranks restore the same step or all fail with the same error.
+A rank alone (pipeline/solo.py) has nothing to share out: it reads the whole copy, straight into
+the live tensors where they fit (tiers/livefill.py), a bucket's copy where it is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,20 +39,10 @@ from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
 from ..tiers.boxes import Box
 from ..tiers.dtypes import dtype_from_name
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.stored import CorruptCheckpointError, MissingItemError, RankView, Region, StoredCheckpoint
+from ..tiers.stored import CorruptCheckpointError, Location, MissingItemError, RankView, Region, StoredCheckpoint
 from .assign import balance
-from .distributed import CheckpointGroup
-from .restore import (
-    NoCheckpointError,
-    NothingToRestoreError,
-    RestoreResult,
-    candidate_steps,
-    checked_target,
-    lost_entries,
-    require_providers,
-    unusable,
-)
+from .restore import Copy, fresh_read, require_providers
+from .solo import RestoreGroup
 
 RegionId = tuple[str, tuple[int, ...], tuple[int, ...]]  # stored key, box offsets, box shape
 Offer = tuple[int, int | None]  # a shareable region's bytes, and the rank whose file alone holds it
@@ -65,155 +50,6 @@ Failure = tuple[int, str, str, bool]  # a rank that could not read its copy: ran
 SLOT_ALIGN = 64
 
 log = logging.getLogger("tierstate")
-
-
-def restore_across_ranks(
-    group: CheckpointGroup,
-    provider: CompositeProvider,
-    tiers: list[FilesystemTier],
-    which: int | str,
-    allow_pickle: bool,
-    fallback: bool = False,
-) -> RestoreResult:
-    """Every rank restores the same step, each getting its own part of it, or every rank fails alike.
-
-    The ranks first tell each other which steps their tiers hold and restore the newest one all
-    hold (or ``which``); each rank reads it from its own fastest copy. A copy a rank cannot read
-    sends that rank to its next copy of the step while the others read theirs again.
-    """
-    holdings = group.all_gather(_Holdings.of(tiers, which, fallback), "restore: which steps each rank holds")
-    wanted, candidates, problems = _agreed_candidates(holdings)
-    reader = _CollectiveRead(group, provider, allow_pickle)
-    for step in candidates:
-        started = time.perf_counter()
-        copies = [tier for tier in tiers if step in holdings[group.rank].steps[tier.name]]
-        read = reader.read_step(step, copies, problems)
-        if read is None:
-            continue
-        tier, state, served = read
-        if problems:
-            log.warning("restore: %s; restoring step %d", "; ".join(problems), step)
-        kept = reader.kept
-        restored = CompositeProvider(**{n: c for n, c in provider.children.items() if n not in kept})
-        _apply_on_every_rank(group, restored, state, f"restore step {step}")
-        for name in kept:
-            log.warning("restore step %d: rank %d keeps its own %r: the checkpoint holds no state of this rank's",
-                        step, group.rank, name)  # fmt: skip
-        seconds = time.perf_counter() - started
-        # bytes_read: this rank's reads, not the whole copy
-        return RestoreResult(
-            step, tier.name, tier.step_dir(step), reader.bytes_read, seconds, tuple(problems), served, kept,
-            source=str(tier.step_dir(step)),
-        )  # fmt: skip
-    raise NoCheckpointError(unusable(wanted, fallback, problems))
-
-
-@dataclass(frozen=True)
-class _Holdings:
-    """What one rank asks to restore and which committed steps each of its tiers holds, sent to every rank."""
-
-    which: int | str
-    fallback: bool
-    steps: dict[str, list[int]]  # by tier name
-    roots: dict[str, str]
-    unlisted: dict[str, str]  # the tiers this rank could not list, and why (taken as holding nothing)
-    lost: tuple[tuple[int, str], ...] = ()  # step-N entries that are no checkpoint (a lost manifest), and why
-
-    @classmethod
-    def of(cls, tiers: list[FilesystemTier], which: int | str, fallback: bool) -> _Holdings:
-        steps, unlisted, lost = {}, {}, []
-        for tier in tiers:
-            try:
-                steps[tier.name] = tier.steps()
-                lost += lost_entries([tier])
-            except OSError as exc:
-                steps[tier.name], unlisted[tier.name] = [], f"{type(exc).__name__}: {exc}"
-        return cls(which, fallback, steps, {t.name: str(t.root) for t in tiers}, unlisted, tuple(lost))
-
-    @property
-    def held(self) -> set[int]:
-        return {step for steps in self.steps.values() for step in steps}
-
-    def __str__(self) -> str:
-        shown = (f"{name}={self.roots[name]} {self.unlisted.get(name, steps)}" for name, steps in self.steps.items())
-        return ", ".join(shown)
-
-
-def _agreed_candidates(holdings: list[_Holdings]) -> tuple[int, list[int], list[str]]:
-    """The step asked for, the steps to try in order, and why newer ones are left out.
-
-    Computed alike on every rank from the same holdings, so every rank goes on or every rank
-    raises the same error, naming what each rank holds.
-    """
-    if len({(h.which, h.fallback) for h in holdings}) > 1:
-        each = ", ".join(f"rank {r}: ({h.which!r}, fallback={h.fallback})" for r, h in enumerate(holdings))
-        raise ValueError(f"restore: the ranks asked for different checkpoints: {each}")
-    which, fallback = holdings[0].which, holdings[0].fallback
-    held = [h.held for h in holdings]
-    anyone, everyone = set.union(*held), set.intersection(*held)
-    by_rank = "; ".join(f"rank {r}: {h}" for r, h in enumerate(holdings))
-    if checked_target(which) == "latest":
-        if not anyone:
-            raise NothingToRestoreError(f"no committed checkpoint on any tier of any rank ({by_rank})")
-        if not everyone:
-            raise NoCheckpointError(f"restore latest: no step is committed on a tier of every rank ({by_rank})")
-    wanted = candidate_steps(everyone, which, fallback)[0]
-    problems = []
-    skipped = {s for s in anyone if s > wanted} if which == "latest" else set()  # newer steps some rank lacks
-    for step in sorted(skipped | {wanted}):
-        lacking = [str(rank) for rank, steps in enumerate(held) if step not in steps]
-        if lacking:
-            problems.append(f"step {step} is not on every rank: rank(s) {', '.join(lacking)} lack it")
-    if which == "latest":  # one rule with one rank (restore.refuse_lost_newer), agreed from the same holdings
-        newer = [f"rank {rank}: {text}" for rank, h in enumerate(holdings) for step, text in h.lost if step > wanted]
-        if newer and not fallback:
-            raise NoCheckpointError(
-                f"cannot restore the latest step: {'; '.join(newer)}; restore(..., fallback=True) takes the newest "
-                f"older step ({wanted}) and reports the one(s) passed over"
-            )
-        problems = newer + problems
-    candidates = [step for step in candidate_steps(everyone, wanted, fallback) if step in everyone]
-    if not candidates:
-        raise NoCheckpointError(f"{unusable(wanted, fallback, problems)} ({by_rank})")
-    return wanted, candidates, problems
-
-
-def _apply_on_every_rank(group: CheckpointGroup, provider: CompositeProvider, state: dict, where: str) -> None:
-    """Check, then restore, on every rank in agreed steps: if any rank fails one, every rank is left as it was.
-
-    The providers without ``check`` are restored (and can be put back) before the checked ones, which
-    promised to succeed and so are restored only once every rank restored the others.
-    """
-    restoring = provider.restoring(state)
-    _agree(group, f"{where}: checking the state", _attempt(restoring.check))
-    for what, step in (
-        ("the providers without check", restoring.restore_unchecked),
-        ("the others", restoring.restore_checked),
-    ):
-        problem = _attempt(step)  # a rank that fails here has already put its providers back
-        try:
-            _agree(group, f"{where}: restoring {what}", problem)
-        except RestoreError as exc:
-            if problem is None:  # this rank restored, another did not: go back too
-                for note in restoring.undo():
-                    exc.add_note(note)
-            raise
-
-
-def _attempt(step: Callable[[], None]) -> Exception | None:
-    try:
-        step()
-    except Exception as exc:  # reported on every rank alike by _agree
-        return exc
-    return None
-
-
-def _agree(group: CheckpointGroup, where: str, problem: BaseException | None) -> None:
-    """Go on only if every rank succeeded; otherwise every rank raises a RestoreError naming who failed and why."""
-    said = group.all_gather(None if problem is None else f"{type(problem).__name__}: {problem}", where)
-    failures = [f"rank {rank}: {text}" for rank, text in enumerate(said) if text is not None]
-    if failures:
-        raise RestoreError(f"{where}: {'; '.join(failures)}") from problem
 
 
 def _target_box(key: str, shape: tuple[int, ...], live: TensorItem | None) -> Box:
@@ -237,19 +73,21 @@ def _live_layouts(provider: CompositeProvider, view: RankView, keys: list[str]) 
     return live | provider.restore_targets(unknown)
 
 
-class _CollectiveRead:
+class CollectiveRead:
     """Reads a step on every rank at once, each rank its own part from its own copy."""
 
-    def __init__(self, group: CheckpointGroup, provider: CompositeProvider, allow_pickle: bool) -> None:
+    def __init__(self, group: RestoreGroup, provider: CompositeProvider, allow_pickle: bool) -> None:
         self.group = group
         self.provider = provider
         self.allow_pickle = allow_pickle
-        self.bytes_read = 0  # tensor bytes this rank read from storage for the last copy
+        self.bytes_read = 0  # bytes this rank read from storage for the last copy
         self.kept: tuple[str, ...] = ()  # rank-local providers the last copy holds no state of this rank's for
+        self.path: Path | None = None  # the last copy's directory (None for a bucket's)
+        self.where = ""  # the last copy's location, for messages: its directory or its bucket prefix
 
     def read_step(
-        self, step: int, copies: list[FilesystemTier], problems: list[str]
-    ) -> tuple[FilesystemTier, dict[str, Any], tuple[str, ...]] | None:
+        self, step: int, copies: list[Copy], problems: list[str]
+    ) -> tuple[str, Mapping[str, Any], tuple[str, ...]] | None:
         """This rank's state of ``step``, the tier it came from and the tier each rank read, or None if
         the ranks cannot read it.
 
@@ -260,66 +98,91 @@ class _CollectiveRead:
         """
         current = 0
         while True:
-            tier = copies[current]
-            state, failed, served = self._read_copy(step, tier, more=current + 1 < len(copies))
+            name, location = copies[current]
+            state, failed, served = self._read_copy(step, name, location, more=current + 1 < len(copies))
             if not failed:
-                return tier, state, served
-            problems += [f"step {step} on rank {rank}, tier {name}: {text}" for rank, text, name, _ in failed]
+                return name, state, served
+            alone = self.group.world_size == 1
+            problems += [f"step {step} on {'' if alone else f'rank {r}, '}tier {n}: {t}" for r, t, n, _ in failed]
             if not all(more for *_, more in failed):
                 return None
             current += any(rank == self.group.rank for rank, *_ in failed)
 
     def _read_copy(
-        self, step: int, tier: FilesystemTier, more: bool
-    ) -> tuple[dict[str, Any], list[Failure], tuple[str, ...]]:
-        """Collective: this rank's part of one copy, exchanged over the node, or every rank's failure to read
-        it; and the tier each rank read.
+        self, step: int, name: str, location: Location, more: bool
+    ) -> tuple[Mapping[str, Any], list[Failure], tuple[str, ...]]:
+        """Collective: this rank's part of one copy (tier ``name``'s, at ``location``), exchanged over the node,
+        or every rank's failure to read it; and the tier each rank read.
 
         ``more`` says whether this rank has another copy of the step to try; it travels with the failures.
+        A rank alone reads the whole copy at once, straight into the live tensors where it can (nothing to
+        share out: every region is its own).
         """
-        directory = tier.step_dir(step)
-        where = f"restore step {step} from {directory}"
+        where = f"restore step {step} from tier {name}"
         keys: list[str] = []
         view: RankView | None = None
         regions: dict[str, Region] = {}
         shared: dict[RegionId, Offer] = {}
+        values: Mapping[str, Any] = {}
         problem: Exception | None = None
         with contextlib.ExitStack() as lock:
             try:
                 # Locked: retention cannot delete it while it is being read.
-                checkpoint = lock.enter_context(StoredCheckpoint.locked(directory, step))
+                checkpoint = lock.enter_context(StoredCheckpoint.locked(location, step))
+                self.path, self.where = checkpoint.directory, checkpoint.where
+                where = f"restore step {step} from {checkpoint.where}"
                 self.kept = self._absent_rank_local(checkpoint)
                 require_providers(checkpoint, self.provider, where, leave_out=self.kept)
                 keys = checkpoint.keys_of(set(self.provider.children) - set(self.kept))
-                view, regions, shared = self._plan(checkpoint, keys)
+                if self.group.world_size == 1:
+                    values = self._read_whole(checkpoint, keys)
+                else:
+                    view, regions, shared = self._plan(checkpoint, keys)
             except Exception as exc:  # reported by every rank alike, below
                 problem = exc
-            # A node's part lacks other nodes' files: then regions and objects travel over the whole group.
-            across = any(self.group.all_gather(view is not None and view.node_part is not None, f"{where}: scope"))
-            ranks = list(range(self.group.world_size)) if across else self.group.node_ranks
-            gather = self.group.all_gather if across else self.group.node_all_gather
-            offers = gather(shared, f"{where}: sharing out the reads")
-            owner, sizes = _owners(dict(zip(ranks, offers, strict=True)))
-            mine = [k for k, region in regions.items() if owner.get(_ident(region), self.group.rank) == self.group.rank]
-            values: dict[str, Any] = {}
+            across, ranks, owner, sizes, mine = False, self.group.node_ranks, {}, {}, []
+            if self.group.world_size > 1:
+                # A node's part lacks other nodes' files: then regions and objects travel over the whole group.
+                across = any(self.group.all_gather(view is not None and view.node_part is not None, f"{where}: scope"))
+                ranks = list(range(self.group.world_size)) if across else self.group.node_ranks
+                gather = self.group.all_gather if across else self.group.node_all_gather
+                offers = gather(shared, f"{where}: sharing out the reads")
+                owner, sizes = _owners(dict(zip(ranks, offers, strict=True)))
+                mine = [k for k, r in regions.items() if owner.get(_ident(r), self.group.rank) == self.group.rank]
             if view is not None:
                 try:
                     values = self._read(view, keys, regions, mine)
                 except Exception as exc:
                     problem = exc
-            if problem is not None:
-                log.warning("restore step %d: copy on tier %s is unusable: %s", step, tier.name, problem)
-            text = None if problem is None else f"{type(problem).__name__}: {problem}"
-            said = self.group.all_gather((text, tier.name, more), f"{where}: did every rank read its part")
-            failed = [(rank, text, name, more) for rank, (text, name, more) in enumerate(said) if text is not None]
-            served = tuple(name for _, name, _ in said)
+            # A copy's fault sends its rank to the next copy; any other (a provider the checkpoint lacks, an
+            # object refused by policy) would be the same with every copy: the restore fails, on every rank.
+            refused = problem is not None and not isinstance(problem, StoredCheckpoint.COPY_ERRORS)
+            if problem is not None and not refused:
+                log.warning("restore step %d: copy on tier %s is unusable: %s", step, name, problem)
+            text = None if problem is None else _told(problem, self.group.world_size)
+            said = self.group.all_gather((text, name, more, refused), f"{where}: did every rank read its part")
+            if any(refused for *_, refused in said):
+                if problem is not None and self.group.world_size == 1:
+                    raise problem
+                texts = [f"rank {rank}: {text}" for rank, (text, *_, refused) in enumerate(said) if refused]
+                raise RestoreError(f"{where}: {'; '.join(texts)}") from problem
+            failed = [(rank, text, name, more) for rank, (text, name, more, _) in enumerate(said) if text is not None]
+            served = tuple(name for _, name, *_ in said)
             if failed:
                 return {}, failed, served
-            assert view is not None  # every rank read its part, so every rank has its view
-            self._exchange(where, regions, values, owner, sizes, ranks)
+            if view is None:  # a rank alone: its whole copy is read
+                return values, [], served
+            exchanged = dict(values)
+            self._exchange(where, regions, exchanged, owner, sizes, ranks)
             if across:
-                self._exchange_objects(where, view, keys, values)
-        return {key: values[view.stored_key(key)] for key in keys}, [], served
+                self._exchange_objects(where, view, keys, exchanged)
+        return {key: exchanged[view.stored_key(key)] for key in keys}, [], served
+
+    def _read_whole(self, checkpoint: StoredCheckpoint, keys: list[str]) -> Mapping[str, Any]:
+        """Every item of ``keys``, verified; the live tensors' read straight into them (``read_into``)."""
+        read = checkpoint.read_into(self.provider.restore_destinations(), keys, allow_pickle=self.allow_pickle)
+        self.bytes_read = checkpoint.stored_bytes
+        return fresh_read(read.values, read.fill)
 
     def _absent_rank_local(self, checkpoint: StoredCheckpoint) -> tuple[str, ...]:
         """The rank-local providers (providers/base.py, ``RankLocal``) this rank keeps as they are: the
@@ -392,7 +255,6 @@ class _CollectiveRead:
                     raw = buffer[offset : offset + sizes[ident]]
                     values[wanted[ident]] = raw.view(dtype_from_name(region.record.dtype)).reshape(region.box.shape)
 
-
     def _exchange_objects(self, where: str, view: RankView, keys: list[str], values: dict[str, Any]) -> None:
         """A node's part: each rank sends the objects it wrote, so every rank has those from other nodes."""
         objects = set(view.stored_keys(keys)) - set(values)
@@ -434,6 +296,11 @@ def _owners(offers: dict[int, dict[RegionId, Offer]]) -> tuple[dict[RegionId, in
         load[rank] += sizes[ident]
     owner |= balance({i: sizes[i] for i in common if i not in owner}, holders, load)
     return owner, sizes
+
+
+def _told(problem: BaseException, ranks: int) -> str:
+    """``problem`` as the other ranks hear of it: with its type among many, as it reads for one."""
+    return str(problem) if ranks == 1 else f"{type(problem).__name__}: {problem}"
 
 
 def _ident(region: Region) -> RegionId:
