@@ -369,8 +369,7 @@ class Runner:
             self._buckets.fetch(which, self.durable_tier, {s for t in self.tiers for s in t.steps()})
         tiers = nearest_first(self.tiers, returned)
         group = self._group if self._group is not None else SoloGroup()
-        buckets = self._buckets.tiers if self._group is None else ()
-        return restore_checkpoint(group, self.providers, tiers, which, allow_pickle, fallback, buckets)
+        return restore_checkpoint(group, self.providers, tiers, which, allow_pickle, fallback, self._buckets.tiers)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
