@@ -45,6 +45,7 @@ from .solo import RestoreGroup
 log = logging.getLogger("tierstate")
 
 
+@gc_paused()  # the whole restore: listing 10^5 live tensors and planning their reads allocate in bursts too
 def restore_checkpoint(
     group: RestoreGroup,
     provider: CompositeProvider,
@@ -79,8 +80,7 @@ def restore_checkpoint(
             log.warning("restore step %d: read from tier %s (%s), no nearer copy was usable", step, name, reader.where)
         kept = reader.kept
         restored = CompositeProvider(**{n: c for n, c in provider.children.items() if n not in kept})
-        with gc_paused():  # one copy per item: see tiers/gcpause.py
-            _apply_on_every_rank(group, restored, state, f"restore step {step}")
+        _apply_on_every_rank(group, restored, state, f"restore step {step}")
         for child in kept:
             log.warning("restore step %d: rank %d keeps its own %r: the checkpoint holds no state of this rank's",
                         step, group.rank, child)  # fmt: skip
