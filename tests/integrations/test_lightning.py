@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from tierstate.integrations.lightning import read_pointer  # noqa: E402
 from tierstate.tiers.filesystem import FilesystemTier  # noqa: E402
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -23,6 +23,13 @@ TIMEOUT_S = 240
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _pointer(path: Path) -> dict[str, object]:
+    """The pointer Lightning's checkpoint path holds (failing the test if it holds none)."""
+    pointer = read_pointer(path)
+    assert pointer is not None, f"{path} is no tierstate pointer"
+    return pointer
 
 
 def _losses(output: str) -> dict[int, str]:
@@ -74,7 +81,7 @@ def test_sigkilled_run_resumes_from_last_with_the_uninterrupted_losses(tmp_path:
     assert sorted(before) == list(range(10))
 
     # last.ckpt is a pointer to a committed tierstate checkpoint of the epoch-2 state (global step 8).
-    pointer = json.loads((killed / "ckpt" / "last.ckpt").read_text())
+    pointer = _pointer(killed / "ckpt" / "last.ckpt")
     assert pointer["global_step"] == 8
     tier = FilesystemTier("nvme", killed / "tiers")
     assert pointer["step"] in tier.steps()
@@ -109,7 +116,7 @@ def test_save_writes_a_pointer_once_durable_and_load_gives_the_dict_back(tmp_pat
     io.remove_checkpoint(tmp_path / "ckpt" / "a.ckpt")
     io.wait()
     assert not (tmp_path / "ckpt" / "a.ckpt").exists()
-    assert json.loads((tmp_path / "ckpt" / "b.ckpt").read_text())["step"] == 2  # the second save
+    assert _pointer(tmp_path / "ckpt" / "b.ckpt")["step"] == 2  # the second save
     loaded = io.load_checkpoint(tmp_path / "ckpt" / "b.ckpt")
     io.teardown()
     assert loaded.keys() == state.keys() and loaded["global_step"] == 41 and loaded["hparams_name"] is None
@@ -120,7 +127,7 @@ def test_save_writes_a_pointer_once_durable_and_load_gives_the_dict_back(tmp_pat
     again = _io(tmp_path)
     again.save_checkpoint(state, tmp_path / "ckpt" / "c.ckpt")
     again.teardown()
-    assert json.loads((tmp_path / "ckpt" / "c.ckpt").read_text())["step"] == 3
+    assert _pointer(tmp_path / "ckpt" / "c.ckpt")["step"] == 3
 
 
 def _flip_a_stored_byte(step_dir: Path) -> None:
@@ -142,7 +149,7 @@ def test_load_passes_over_a_damaged_copy_to_the_next_tiers_and_refuses_when_none
     weights = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.randn(3)}
     io.save_checkpoint({"global_step": 7, "state_dict": weights}, tmp_path / "ckpt" / "a.ckpt")
     io.teardown()  # drains: the flush to pfs is done
-    step = json.loads((tmp_path / "ckpt" / "a.ckpt").read_text())["step"]
+    step = _pointer(tmp_path / "ckpt" / "a.ckpt")["step"]
     _flip_a_stored_byte(FilesystemTier("nvme", tmp_path / "nvme").step_dir(step))
 
     reader = _io(tmp_path, tiers=tiers)
@@ -237,9 +244,10 @@ def test_each_saves_figures_reach_the_lightning_loggers(tmp_path: Path) -> None:
 
 
 def test_load_from_checkpoint_on_a_pointer_says_what_to_do_and_the_helper_loads_it(tmp_path: Path) -> None:
-    """``LightningModule.load_from_checkpoint`` reads a file with torch.load, which fails on tierstate's JSON
-    pointer with torch's own message: the pointer itself says what to do, and
-    ``tierstate.integrations.lightning.load_from_checkpoint`` loads it (hyperparameters and weights)."""
+    """``LightningModule.load_from_checkpoint`` reads a file with torch.load, which fails on tierstate's pointer
+    (weights-only or not) with an error that says what to do instead of torch's advice to retry with
+    ``weights_only=False``; ``tierstate.integrations.lightning.load_from_checkpoint`` loads it
+    (hyperparameters and weights)."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -266,8 +274,14 @@ def test_load_from_checkpoint_on_a_pointer_says_what_to_do_and_the_helper_loads_
     trained = Sized(width=5)
     trainer.fit(trained, DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
     last = tmp_path / "ckpt" / "last.ckpt"
-    assert json.loads(last.read_text())["load"] == LOAD_HINT
-    with pytest.raises(Exception, match="Weights only load failed"):  # torch's own words, on the JSON
-        Sized.load_from_checkpoint(last)
+    assert _pointer(last)["load"] == LOAD_HINT
+    for weights_only in (True, False):
+        with pytest.raises(
+            RuntimeError,
+            match=r"this file is a pointer to a tierstate checkpoint.*load it with "
+            r"tierstate\.integrations\.lightning\.load_from_checkpoint",
+        ) as refused:
+            Sized.load_from_checkpoint(last, weights_only=weights_only)
+        assert "weights_only" not in str(refused.value)
     loaded = load_from_checkpoint(Sized, last, config)
     assert loaded.hparams.width == 5 and torch.equal(loaded.net.weight, trained.net.weight)

@@ -13,11 +13,12 @@ Lightning hands its ``CheckpointIO`` plugin one dict per save (``state_dict``, `
   own ``AsyncCheckpointIO`` copies everything.
 - **Paths.** Each save is a tierstate checkpoint of its own, numbered in order (1, 2, ... and on
   from the newest on the tiers after a restart; Lightning may save twice at one global step, e.g. a
-  top-k file and ``last.ckpt``, with different loop state). The file at ``path`` is a small JSON
-  pointer naming that number, written (atomically) only once the checkpoint is durable: Lightning
-  finds ``last.ckpt`` as usual, and it always names a checkpoint that is there, also after a
-  SIGKILL. ``remove_checkpoint`` removes a pointer after the saves requested before it are
-  published; the checkpoints themselves are kept or deleted by the tiers' retention policies.
+  top-k file and ``last.ckpt``, with different loop state). The file at ``path`` is a small pointer
+  naming that number (JSON after a short pickle on which ``torch.load`` fails saying what to do),
+  written (atomically) only once the checkpoint is durable: Lightning finds ``last.ckpt`` as usual,
+  and it always names a checkpoint that is there, also after a SIGKILL. ``remove_checkpoint``
+  removes a pointer after the saves requested before it are published; the checkpoints themselves
+  are kept or deleted by the tiers' retention policies.
 - **Loading.** ``load_checkpoint`` reads the pointer and restores from the fastest tier holding a
   verified copy, as a runner restores; a path that is not a pointer (a ``.ckpt`` that
   ``torch.save`` wrote) is loaded as Lightning's ``TorchCheckpointIO`` would.
@@ -36,6 +37,8 @@ import io as io_module
 import json
 import logging
 import os
+import pickle
+import pickletools
 import threading
 import weakref
 from collections.abc import Mapping
@@ -69,15 +72,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierstate")
 
 POINTER_KIND = "tierstate lightning checkpoint"
-"""The ``kind`` of the JSON pointer file written at each Lightning checkpoint path."""
+"""The ``kind`` of the pointer written at each Lightning checkpoint path."""
 LOAD_HINT = (
     "a pointer to a tierstate checkpoint, not a torch file: load it with "
     "tierstate.integrations.lightning.load_from_checkpoint(YourModule, this_path, config), or resume with "
     "Trainer(plugins=[TierstateCheckpointIO(config)]).fit(model, ckpt_path=this_path)"
 )
-"""Written into every pointer: ``torch.load`` (``LightningModule.load_from_checkpoint``) fails on the JSON with
-its own message, and whoever opens the small file to see why reads what to do instead."""
+"""What to do with a pointer: the message ``torch.load`` raises on one, and its JSON's ``load`` field."""
 _POINTER_MAX = 1 << 16  # a pointer is a few hundred bytes; a torch .ckpt is a zip that never parses as JSON
+
+
+class _TorchLoadTrap:
+    """Pickles as ``torch.device(<what to do>)``, a call that ``torch.load`` allows even with ``weights_only``.
+
+    ``LightningModule.load_from_checkpoint`` reads a path with ``torch.load`` itself, with no hook a plugin
+    could use. A pointer therefore starts with this pickle: ``torch.load`` (weights-only or not, whatever
+    ``map_location``) unpickles it first and raises ``RuntimeError: Invalid device string: 'this file is a
+    pointer to a tierstate checkpoint ... load it with ...'``, instead of torch's own advice to retry with
+    ``weights_only=False``, which would fail as well."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return torch.device, (f"this file is {LOAD_HINT}",)
+
+
+_TORCH_LOAD_TRAP = pickle.dumps(_TorchLoadTrap(), protocol=2) + b"\n"
+"""The first bytes of every pointer; its JSON follows on the next line."""
 
 
 class LightningCheckpointError(TierstateError, ValueError):
@@ -88,10 +107,10 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The pointer at ``path`` (``{"kind", "step", ...}``), or None if the file there is not one."""
     with open(path, "rb") as f:
         head = f.read(_POINTER_MAX + 1)
-    if len(head) > _POINTER_MAX or not head.lstrip().startswith(b"{"):
+    if len(head) > _POINTER_MAX:
         return None
     try:
-        pointer = json.loads(head)
+        pointer = json.loads(_pointer_json(head))
     except ValueError:
         return None
     if not isinstance(pointer, dict) or pointer.get("kind") != POINTER_KIND or not isinstance(pointer.get("step"), int):
@@ -99,12 +118,23 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return pointer
 
 
+def _pointer_json(head: bytes) -> bytes:
+    """The JSON part of a file that may be a pointer: what follows the leading pickle (found by walking its
+    opcodes, never by unpickling), or the whole file for a pointer written before the trap existed."""
+    if not head.startswith(b"\x80"):
+        return head
+    for opcode, _argument, position in pickletools.genops(io_module.BytesIO(head)):  # ValueError if no pickle
+        if opcode.name == "STOP":
+            return head[position + 1 :]
+    raise ValueError("a pickle without STOP")
+
+
 def _write_pointer(path: Path, pointer: Mapping[str, Any]) -> None:
     """``path`` holds ``pointer`` whole, or keeps what it held: written beside it, fsynced, renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w") as f:
-        f.write(json.dumps(pointer, indent=1) + "\n")
+    with open(temporary, "wb") as f:
+        f.write(_TORCH_LOAD_TRAP + json.dumps(pointer, indent=1).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
@@ -373,8 +403,8 @@ def load_from_checkpoint(
 ) -> Any:
     """``module_class.load_from_checkpoint(path, **kwargs)`` for a ``path`` that may be tierstate's pointer.
 
-    Lightning's classmethod reads the file with ``torch.load``, which fails on the JSON pointer with a
-    misleading hint (``weights_only``). A pointer is read here through ``config``'s tiers (the same config
+    Lightning's classmethod reads the file with ``torch.load``, which a pointer refuses (saying to come
+    here). A pointer is read here through ``config``'s tiers (the same config
     the saving plugin had) and handed to Lightning as the checkpoint dict it expects; any other file goes
     to Lightning as it is."""
     if read_pointer(path) is None:
