@@ -19,7 +19,10 @@ The persist bucket (``config.persist_bucket``: the persist stage names a bucket 
 the stage writes and commits each checkpoint in the staging directory, then :meth:`BucketFlusher.publish`
 uploads it (verified, data first, the manifest last with the conditional put) before the runner
 reports it durable; so a checkpoint is durable exactly when its manifest is in the bucket, and of
-two runs writing one step there, one fails naming the step. One process only, for now.
+two runs writing one step there, one fails naming the step. With many ranks the publication is a
+collective after the job's commit: each rank uploads the files it wrote (from the shared staging
+directory or its node's), rank 0 puts the global manifest once every rank's uploads succeeded (so
+the nodes' parts meet under one prefix, the manifest last), and every rank gets the same outcome.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from dataclasses import dataclass
 
 from ..tiers.filesystem import FilesystemTier, TierError
 from ..tiers.locks import reading
+from ..tiers.manifest import Manifest
+from ..tiers.nodeparts import files_of_ranks, join_parts
 from ..tiers.objstore import ObjectStore
 from ..tiers.pacing import Pacer
 from ..tiers.policy import FlushPolicy, RetentionPolicy
 from ..tiers.s3tier import S3Tier
 from .config import PipelineConfig
+from .distributed import CheckpointAborted, CheckpointGroup
 from .flush import FlushFailure
 
 log = logging.getLogger("tierstate.buckets")
@@ -54,21 +60,19 @@ class _Bucket:
 class BucketFlusher:
     """The buckets of one runner; ``active``: this process is the one that uploads (see the module)."""
 
-    def __init__(self, config: PipelineConfig, active: bool, single: bool) -> None:
+    def __init__(self, config: PipelineConfig, active: bool) -> None:
         self._active = active
         self._persist = config.persist_bucket
-        if self._persist is not None and not single:
-            raise TierError(
-                errno.EOPNOTSUPP, f"tier {self._persist}: a bucket is the persist tier of one process only (not yet "
-                "of several ranks): persist to a directory tier and flush to the bucket",
-            )  # fmt: skip
         self._buckets: list[_Bucket] = []
         self._pending: list[Future[None]] = []
         self._failures: list[FlushFailure] = []
         for name, spec in config.buckets.items():
             flush = spec.flush
             store = ObjectStore(
-                name, spec.url, endpoint_url=spec.endpoint_url, region=spec.region,
+                name,
+                spec.url,
+                endpoint_url=spec.endpoint_url,
+                region=spec.region,
                 retries=flush.retries if flush is not None else 5,
             )
             store.check()
@@ -102,14 +106,58 @@ class BucketFlusher:
     def persist_bucket(self) -> str | None:
         return self._persist
 
-    def publish(self, step: int, source: FilesystemTier) -> None:
+    def publish(self, step: int, source: FilesystemTier, group: CheckpointGroup | None) -> None:
         """Upload ``step`` from the staging tier ``source`` to the persist bucket, then apply the bucket's
-        retention; raises what the upload raised (the checkpoint then fails)."""
+        retention; raises what the upload raised (the checkpoint then fails). With many ranks, a collective:
+        see :meth:`_publish_ranks`."""
         (bucket,) = [b for b in self._buckets if b.tier.name == self._persist]
-        with reading(source.step_dir(step)):
-            bucket.tier.upload(source.step_dir(step), source.manifest(step))
-        self._retain(bucket)
+        if group is not None:
+            self._publish_ranks(bucket, step, source, group)
+        else:
+            with reading(source.step_dir(step)):
+                bucket.tier.upload(source.step_dir(step), source.manifest(step))
+            self._retain(bucket)
         log.info("checkpoint step %d published in %s", step, bucket.tier.store.where())
+
+    def _publish_ranks(self, bucket: _Bucket, step: int, source: FilesystemTier, group: CheckpointGroup) -> None:
+        """Every rank uploads the files it wrote (from the shared staging directory, or from its node's),
+        each verified first; once every rank says its uploads succeeded, rank 0 puts the global manifest
+        (on a node-scoped staging tier, joined from the node leaders' parts) with the conditional put and
+        applies retention. Every rank gets the same outcome, so no rank reports the step durable before
+        the bucket publishes it, and all fail together, naming the rank and the reason, if any rank's
+        upload or the publication fails."""
+        error: str | None = None
+        part: Manifest | None = None
+        try:
+            if bucket.tier.holds(step):  # before any upload: a published step's objects are never written over
+                raise TierError(errno.EEXIST, f"tier {bucket.tier.name} already holds step {step}")
+            with reading(source.step_dir(step)):
+                seen = source.manifest(step)  # the whole checkpoint, or this node's part of it
+                bucket.tier.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
+            whole_or_part = group.is_leader if seen.node_part is None else group.is_node_leader
+            part = seen if whole_or_part else None  # what rank 0 needs to write the global manifest
+        except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
+            error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+        said = group.gather_to_leader((error, part), f"step {step}: uploading to bucket {bucket.tier.name}")
+        outcome = self._publish_whole(bucket, step, said) if said is not None else None
+        outcome = group.from_leader(outcome, f"step {step}: publishing in bucket {bucket.tier.name}")
+        if outcome is not None:
+            raise CheckpointAborted(f"step {step} was not published in bucket tier {bucket.tier.name}: {outcome}")
+
+    def _publish_whole(self, bucket: _Bucket, step: int, said: list[tuple[str | None, Manifest | None]]) -> str | None:
+        """On rank 0, once every rank said how its uploads went: the global manifest put last (joined from
+        the node parts on a node-scoped staging tier), then retention; what went wrong, or None."""
+        errors = [error for error, _part in said if error is not None]
+        if errors:
+            return "; ".join(errors)
+        parts = [part for _error, part in said if part is not None]
+        try:
+            whole = join_parts(step, parts) if parts[0].node_part is not None else parts[0]
+            bucket.tier.publish(whole)
+            self._retain(bucket)
+        except Exception as exc:  # noqa: BLE001 - every rank fails the step with it
+            return f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}"
+        return None
 
     def _retain(self, bucket: _Bucket) -> None:
         steps = bucket.tier.steps()

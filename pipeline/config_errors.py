@@ -126,6 +126,8 @@ def _describe(error: Mapping[str, Any], root: Any, at: tuple[str, ...]) -> list[
         return ctx["error"].problems
     is_name = bool(loc) and loc[-1] == "[key]"
     keys, owner, annotation = _locate(root, loc[:-1] if is_name else loc)
+    if keys[:1] == ["buckets"]:  # where the loader moved the kind: s3 tiers; the YAML has them under tiers
+        keys[0] = "tiers"
     path = ".".join(keys) or "<top level>"
     if kind == "extra_forbidden":
         return [(path, _unknown_key(keys[-1], owner))]

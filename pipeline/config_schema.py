@@ -155,9 +155,11 @@ class S3TierConfig(_Strict):
     from the YAML. It receives flushes (``flush``, as a directory tier does) and keeps what
     ``retention`` says; it is read when no local tier holds a checkpoint (tiers/s3tier.py).
 
-    As the persist stage's tier (one process only), each checkpoint is written to ``staging`` (a
-    local directory, kept as a tier named ``<name>-staging`` with ``keep_last: 1``) and uploaded,
-    the manifest last with a conditional put, before the checkpoint is reported durable.
+    As the persist stage's tier, each checkpoint is written to ``staging`` (a local directory, kept
+    as a tier named ``<name>-staging`` with ``keep_last: 1`` and scope ``staging_scope``: ``node``
+    for each node's own NVMe, ``{node}`` in the path standing for its name) and uploaded, the
+    manifest last with a conditional put, before the checkpoint is reported durable; with many
+    ranks each uploads its own files and rank 0 the manifest (pipeline/buckets.py).
     """
 
     kind: Literal["s3"]
@@ -167,6 +169,7 @@ class S3TierConfig(_Strict):
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
     staging: str | None = None
+    staging_scope: Literal["node", "shared"] = "shared"
 
 
 class StageBase(_Strict):
@@ -295,7 +298,9 @@ def _persist_through_staging(data: dict[str, Any], buckets: Mapping[str, Any]) -
         bucket = buckets.get(named) if isinstance(named, str) else None
         if isinstance(bucket, Mapping) and bucket.get("staging"):
             staging = f"{named}-staging"
-            tiers = {staging: {"path": bucket["staging"], "retention": {"keep_last": 1}}, **data["tiers"]}
+            scope = bucket.get("staging_scope", "shared")
+            tier = {"path": bucket["staging"], "scope": scope, "retention": {"keep_last": 1}}
+            tiers = {staging: tier, **data["tiers"]}
             stages = {**stages, name: {**stage, "tier": staging}}
             return {**data, "tiers": tiers, "pipeline": {**pipeline, "stages": stages}, "persist_bucket": named}
     return data

@@ -133,7 +133,7 @@ class Runner:
         # kind: s3 tiers (pipeline/buckets.py), checked here: bad credentials or a missing bucket fail now.
         shared = config.tiers[config.persist_tier].scope == "shared"  # many ranks: its leader uploads whole steps
         active = self._group is None or (shared and self.rank == 0)
-        self._buckets = BucketFlusher(config, active=active, single=self._group is None)
+        self._buckets = BucketFlusher(config, active=active)
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
@@ -309,7 +309,7 @@ class Runner:
         try:
             path = await job.run()
             if self._buckets.persist_bucket is not None:  # durable once its manifest is in the bucket
-                await run_blocking(self._io, self._buckets.publish, job.step, self.durable_tier)
+                await run_blocking(self._io, self._buckets.publish, job.step, self.durable_tier, self._group)
         except BaseException as exc:  # report, never raise into training
             release_copies(copies)
             self.history.append((completer.handle, job.stats))

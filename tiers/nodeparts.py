@@ -47,13 +47,22 @@ def _rank_of(name: str) -> int:
 
 def node_part(whole: Manifest, node: str, ranks: list[int], nodes: list[str]) -> Manifest:
     """The part of ``whole`` that ``node`` (which ran ``ranks``) holds, in a job of ``nodes``."""
-    mine = set(ranks)
-    return whole.model_copy(
+    return files_of_ranks(whole, ranks).model_copy(
         update={
             "version": NODE_PART_VERSION,
-            "files": {name: record for name, record in whole.files.items() if _rank_of(name) in mine},
-            "indexes": {name: digest for name, digest in whole.indexes.items() if _rank_of(name) in mine},
             "node_part": NodePart(node=node, ranks=sorted(ranks), nodes=sorted(nodes)),
+        }
+    )
+
+
+def files_of_ranks(manifest: Manifest, ranks: list[int]) -> Manifest:
+    """``manifest`` with only the data files and indexes that ``ranks`` wrote (what a rank uploads of a
+    checkpoint its job committed); its items stay whole, so it is no checkpoint of its own."""
+    mine = set(ranks)
+    return manifest.model_copy(
+        update={
+            "files": {name: record for name, record in manifest.files.items() if _rank_of(name) in mine},
+            "indexes": {name: digest for name, digest in manifest.indexes.items() if _rank_of(name) in mine},
         }
     )
 

@@ -97,9 +97,7 @@ class BucketSource:
     def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
         end = offset + len(buffer)
         if end > self.size(name):
-            raise ShortReadError(
-                errno.EIO, f"{self.where}/{name}: ends at byte {self.size(name)}, short of {end}"
-            )
+            raise ShortReadError(errno.EIO, f"{self.where}/{name}: ends at byte {self.size(name)}, short of {end}")
         buffer[:] = self.store.get_range(self.prefix + name, offset, len(buffer))
 
     def read_small(self, name: str) -> bytes:
@@ -140,7 +138,7 @@ class S3Tier:
             raise TierError(
                 errno.EOPNOTSUPP, f"tier {self.name}: {source} is one node's part; an s3 tier takes whole checkpoints"
             )
-        if step in self.steps():
+        if self.holds(step):
             existing = self.manifest(step)
             if manifest_bytes(existing) != manifest_bytes(manifest):
                 raise TierError(
@@ -150,9 +148,24 @@ class S3Tier:
                 )
             report.outcome = "already there"
             return report
+        report.files, report.bytes = self.upload_files(source, manifest, progress)
+        self.publish(manifest)
+        return report
+
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is committed here (its manifest object exists): one small listing."""
+        name = self.step_prefix(step) + MANIFEST_NAME
+        return any(o.name == name for o in self.store.list(name))
+
+    def upload_files(self, source: Path, manifest: Manifest, progress: Progress | None = None) -> tuple[int, int]:
+        """Upload the data files and indexes ``manifest`` lists (a whole checkpoint, one node's part or one
+        rank's files) from ``source`` under ``step-N/``, each verified in the source first; nothing is
+        published. Returns how many files and bytes went up."""
+        step = manifest.step
         problems = verify_directory(source, manifest)
         if problems:
             raise CorruptCheckpointError(f"{source}: {problems[0]}; not uploading it to tier {self.name}")
+        files = total = 0
         for name in sorted(manifest.indexes) + sorted(manifest.files):
             fd = open_read(source / name)
             try:
@@ -160,10 +173,16 @@ class S3Tier:
                 self.store.put_file(self.step_prefix(step) + name, fd, size, progress)
             finally:
                 os.close(fd)
-            report.files += 1
-            report.bytes += size
-        self.store.put_bytes(self.step_prefix(step) + MANIFEST_NAME, manifest_bytes(manifest), if_absent=True)
-        return report
+            files += 1
+            total += size
+        return files, total
+
+    def publish(self, manifest: Manifest) -> None:
+        """Make ``step-N`` a checkpoint: its manifest object, put only if absent (of two writers of one
+        step exactly one succeeds; the other gets CheckpointExistsError naming the tier)."""
+        if manifest.node_part is not None:
+            raise TierError(errno.EOPNOTSUPP, f"tier {self.name}: a node's part is never published as a checkpoint")
+        self.store.put_bytes(self.step_prefix(manifest.step) + MANIFEST_NAME, manifest_bytes(manifest), if_absent=True)
 
     # -- reading --------------------------------------------------------------------------------
     def download(self, step: int, target: FilesystemTier, progress: Progress | None = None) -> TransferReport:

@@ -1,10 +1,19 @@
-"""What each of two ranks runs for tests/tiers/test_s3_ranks.py: a shared PFS tier flushed to a bucket.
+"""What each of two ranks runs for tests/tiers/test_s3_ranks.py: a bucket behind a job of two ranks.
 
-Usage (two plain processes, rank and world from the environment, the S3 endpoint and credentials
-too): ``python tests/tiers/s3_ranks_worker.py WORKDIR ENDPOINT URL SCENARIO``. ``save`` commits step 2
-(rank 0 uploads it to the bucket) and records the state; ``restore`` restores the latest step into a
-model of other weights and records where each rank read it and whether it matches. Each rank writes
-``WORKDIR/<scenario>/rank-R.json`` and then prints ``S3-RANKS-DONE``.
+Usage (two plain processes or two torchrun "nodes", rank and world from the environment, the S3
+endpoint and credentials too): ``python tests/tiers/s3_ranks_worker.py WORKDIR ENDPOINT URL SCENARIO``.
+
+- ``save``: a shared PFS tier flushed to the bucket; commits step 2 (rank 0 uploads it) and records
+  the state. ``restore``: restores the latest step into a model of other weights and records where
+  each rank read it and whether it matches.
+- ``persist-shared`` / ``persist-node``: the bucket is the persist tier, staged in one shared
+  directory or in each node's own (``{node}`` in the path); checkpoints steps 1 and 2 and records
+  each handle's outcome. ``restore-shared`` / ``restore-node``: restores with the same config.
+  ``again-shared``: a new run checkpoints step 2 again, which the bucket holds. ``killed-shared``:
+  checkpoints step 1 with a tensor large enough for a multipart upload, during which the test
+  SIGKILLs rank 1 (``TIERSTATE_FAULT=s3.part``); rank 0 records how its checkpoint ended.
+
+Each rank writes ``WORKDIR/<scenario>/rank-R.json`` and then prints ``S3-RANKS-DONE``.
 """
 
 from __future__ import annotations
@@ -18,13 +27,21 @@ import torch.distributed as dist
 from torch import nn
 
 from tierstate import Runner
-from tierstate.providers import ModuleProvider
+from tierstate.providers import ModuleProvider, TensorDictProvider
 
 
 def _runner(workdir: Path, endpoint: str, url: str) -> Runner:
     bucket = {"kind": "s3", "url": url, "endpoint_url": endpoint, "region": "us-east-1",
               "flush": {"every": 1}, "retention": {"keep_last": 2}}  # fmt: skip
     return Runner.from_dict({"chunk_size": "1MiB", "tiers": {"pfs": {"path": str(workdir / "pfs")}, "bucket": bucket}})
+
+
+def _persist_runner(workdir: Path, endpoint: str, url: str, scope: str) -> Runner:
+    staging = str(workdir / ("staging" if scope == "shared" else "nodes/{node}/staging"))
+    bucket = {"kind": "s3", "url": url, "endpoint_url": endpoint, "region": "us-east-1", "staging": staging,
+              "staging_scope": scope, "retention": {"keep_last": 2}}  # fmt: skip
+    stages = {"capture": {"next": "serialize"}, "serialize": {"next": "persist"}, "persist": {"tier": "bucket"}}
+    return Runner.from_dict({"chunk_size": "1MiB", "tiers": {"bucket": bucket}, "pipeline": {"stages": stages}})
 
 
 def _model(seed: int) -> nn.Module:
@@ -54,10 +71,62 @@ def restore(workdir: Path, endpoint: str, url: str) -> dict:
             "source": result.source, "problems": list(result.problems), "same": same}  # fmt: skip
 
 
+def persist(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+    model = _model(0)
+    runner = _persist_runner(workdir, endpoint, url, scope)
+    runner.register(model=ModuleProvider(model, replicated=False))
+    outcomes = {}
+    for step in (1, 2):
+        with torch.no_grad():
+            model[0].weight.add_(1.0 + dist.get_rank())  # each rank's state its own
+        result = runner.checkpoint(step).result()
+        outcomes[step] = {"tier": result.tier, "path": str(result.path)}
+    runner.close()
+    torch.save(model.state_dict(), workdir / f"saved-{dist.get_rank()}.pt")
+    return {"outcomes": outcomes}
+
+
+def restore_persisted(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+    model = _model(1)
+    runner = _persist_runner(workdir, endpoint, url, scope)
+    runner.register(model=ModuleProvider(model, replicated=False))
+    result = runner.restore("latest")
+    runner.close()
+    saved = torch.load(workdir / f"saved-{dist.get_rank()}.pt")
+    same = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    return {"step": result.step, "tier_by_rank": list(result.tier_by_rank), "same": same}
+
+
+def again(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+    runner = _persist_runner(workdir, endpoint, url, scope)
+    runner.register(model=ModuleProvider(_model(2), replicated=False))
+    handle = runner.checkpoint(2)
+    handle.wait()
+    runner.close()
+    error = handle.exception()
+    return {"error": None if error is None else f"{type(error).__name__}: {error}"}
+
+
+def killed(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+    runner = _persist_runner(workdir, endpoint, url, scope)
+    runner.register(model=ModuleProvider(_model(0)), big=TensorDictProvider({"w": torch.randn(6 << 20)}))
+    handle = runner.checkpoint(1)
+    handle.wait()  # rank 1 dies uploading: rank 0 must not wait for it forever, nor publish without it
+    error = handle.exception()
+    runner.close()
+    return {"error": None if error is None else f"{type(error).__name__}: {error}"}
+
+
 def main() -> None:
     workdir, endpoint, url, scenario = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo")
-    facts = {"save": save, "restore": restore}[scenario](workdir, endpoint, url)
+    if scenario in ("save", "restore"):
+        facts = {"save": save, "restore": restore}[scenario](workdir, endpoint, url)
+    else:
+        kind, scope = scenario.split("-")
+        facts = {"persist": persist, "restore": restore_persisted, "again": again, "killed": killed}[kind](
+            workdir, endpoint, url, scope
+        )
     out = workdir / scenario
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(facts, indent=1))

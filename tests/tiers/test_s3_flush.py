@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,18 @@ def test_runner_construction_names_missing_credentials(make_runner, endpoint, bu
 def test_a_bucket_without_staging_is_not_the_persist_tier(make_runner, endpoint, bucket):
     with pytest.raises(ConfigError, match="is a bucket .*tiers.bucket.staging"):
         make_runner(**_bucket_tier(endpoint, f"s3://{bucket}/x"), **{"pipeline.stages.persist.tier": "bucket"})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [("staging_scope", "nodes", "tiers.bucket.staging_scope: must be 'node' or 'shared'"),
+     ("stagin", "/tmp/s", "tiers.bucket.stagin: unknown key; did you mean 'staging'?")],
+)  # fmt: skip
+def test_a_bad_bucket_key_is_named_where_the_yaml_has_it(make_runner, endpoint, bucket, key, value, said):
+    settings = _bucket_tier(endpoint, f"s3://{bucket}/x")
+    settings["tiers.bucket"] = {**settings["tiers.bucket"], key: value}
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        make_runner(**settings)
 
 
 def _persist_to_bucket(endpoint: str, url: str, staging) -> dict:

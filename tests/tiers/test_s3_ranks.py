@@ -1,9 +1,12 @@
-"""Two ranks restore from a bucket when their shared tier's copy is damaged (one restore path, issue 26/29)."""
+"""A bucket behind a job of two ranks: they restore from it when their shared tier's copy is damaged (one
+restore path, issue 26/29), and they persist to it, staged in one shared directory or on each node's
+own, the global manifest published last by rank 0 (issue 29)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +23,11 @@ import s3server
 
 from conftest import REPO
 from launch import TEARDOWN_ABORT
+from tierstate.tiers import faults
+from tierstate.tiers.bucketcmds import verify_bucket_step
 from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.objstore import ObjectStore
+from tierstate.tiers.s3tier import S3Tier
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket
@@ -32,7 +39,12 @@ pytestmark = [
 ]
 
 
-def _two_ranks(workdir: Path, endpoint: str, url: str, scenario: str) -> list[dict]:
+def _two_ranks(
+    workdir: Path, endpoint: str, url: str, scenario: str, nodes: bool = False, killed: int | None = None
+) -> list[dict]:
+    """Both ranks run ``scenario``: two plain processes (rank and world from the environment), or with
+    ``nodes`` two torchrun launches with ``--nnodes=2``, each a node of its own (``TIERSTATE_NODE``).
+    Rank ``killed`` is SIGKILLed after its first uploaded part; what the others recorded is returned."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -40,14 +52,23 @@ def _two_ranks(workdir: Path, endpoint: str, url: str, scenario: str) -> list[di
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYTHONPATH": str(REPO / "tests")}  # fmt: skip
+        if rank == killed:
+            env[faults.ENV] = "s3.part@1"
         command = [sys.executable, str(WORKER), str(workdir), endpoint, url, scenario]
+        if nodes:
+            env["TIERSTATE_NODE"] = f"n{rank}"
+            command[1:1] = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+                            "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for rank, proc in enumerate(procs):
         out, _ = proc.communicate(timeout=180)
+        if rank == killed:
+            assert proc.returncode == -signal.SIGKILL, f"rank {rank}, {scenario}, not killed:\n{out[-6000:]}"
+            continue
         torn_down = proc.returncode == -signal.SIGABRT and TEARDOWN_ABORT in out  # torch's gloo teardown abort
         ended = "S3-RANKS-DONE" in out and (proc.returncode == 0 or torn_down)
         assert ended, f"rank {rank}, {scenario}:\n{out[-6000:]}"
-    return [json.loads((workdir / scenario / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((workdir / scenario / f"rank-{r}.json").read_text()) for r in (0, 1) if r != killed]
 
 
 def test_two_ranks_restore_the_buckets_copy_of_a_step_whose_shared_copy_is_damaged(endpoint, bucket, tmp_path):
@@ -67,3 +88,54 @@ def test_two_ranks_restore_the_buckets_copy_of_a_step_whose_shared_copy_is_damag
     first, second = (json.loads((tmp_path / "restore" / f"rank-{r}.json").read_text()) for r in (0, 1))
     assert (first["tier"], first["source"]) == ("bucket", f"{url}/step-2")
     assert (second["tier"], second["source"]) == ("pfs", str(tmp_path / "pfs" / "step-2"))
+
+
+@pytest.mark.parametrize("scope", ["shared", "node"])
+def test_two_ranks_persist_to_a_bucket_each_uploading_its_files_and_rank_0_publishing_last(
+    endpoint, bucket, tmp_path, scope
+):
+    """The bucket as the persist tier of two ranks: staged in one shared directory, or on each node's own
+    (two torchrun launches with --nnodes=2, the nodes' parts meeting under one prefix). Each step is durable
+    on the bucket on both ranks, published as one checkpoint holding both ranks' files; with the staging
+    copies gone, both ranks restore it from the bucket bit for bit; a new run checkpointing a step the bucket
+    holds fails on every rank, naming the step, and leaves the published objects as they were."""
+    url = f"s3://{bucket}/persist-{scope}"
+    nodes = scope == "node"
+    for rank, seen in enumerate(_two_ranks(tmp_path, endpoint, url, f"persist-{scope}", nodes)):
+        assert {step: o["tier"] for step, o in seen["outcomes"].items()} == {"1": "bucket", "2": "bucket"}, rank
+    tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint, region="us-east-1"))
+    assert tier.steps() == [1, 2]
+    manifest = tier.manifest(2)
+    assert (manifest.world_size, manifest.node_part) == (2, None)
+    assert sorted(manifest.files) == ["rank-00000.data", "rank-00001.data"]
+    assert verify_bucket_step(tier, 2).problems == []
+    staged = [tmp_path / "staging"] if not nodes else [tmp_path / "nodes" / n / "staging" for n in ("n0", "n1")]
+    assert all(d.is_dir() for d in staged)
+    objects = {o.name: (o.size, o.modified) for o in tier.store.list("step-2/")}
+
+    for directory in staged:  # every local copy gone: the ranks read the bucket's
+        shutil.rmtree(directory)
+    for rank, seen in enumerate(_two_ranks(tmp_path, endpoint, url, f"restore-{scope}", nodes)):
+        assert (seen["step"], seen["tier_by_rank"], seen["same"]) == (2, ["bucket", "bucket"], True), rank
+
+    if nodes:
+        return  # the conflict is the same code on either staging scope
+    for rank, seen in enumerate(_two_ranks(tmp_path, endpoint, url, "again-shared")):
+        assert seen["error"] is not None and "step 2" in seen["error"], rank
+        assert "already holds step 2" in seen["error"] and "bucket" in seen["error"], rank
+    assert {o.name: (o.size, o.modified) for o in tier.store.list("step-2/")} == objects
+    assert verify_bucket_step(tier, 2).problems == []
+
+
+def test_a_rank_killed_mid_upload_fails_the_step_on_the_others_and_nothing_is_published(endpoint, bucket, tmp_path):
+    """Rank 1 dies after the first part of its multipart upload: rank 0, whose uploads succeeded, does not
+    wait for it forever and does not publish a checkpoint missing its files; gc then removes both ranks'
+    leftovers (rank 0's objects, rank 1's incomplete upload)."""
+    url = f"s3://{bucket}/killed"
+    (seen,) = _two_ranks(tmp_path, endpoint, url, "killed-shared", killed=1)
+    assert seen["error"] is not None and "step 1" in seen["error"], seen
+    tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint, region="us-east-1"))
+    assert tier.steps() == [] and tier.incomplete_steps() == {1}
+    left = tier.collect_garbage(older_than=0)
+    assert {leftover.kind for leftover in left} == {"orphan object", "incomplete upload"}
+    assert tier.store.list("") == [] and tier.store.uploads() == []

@@ -124,7 +124,7 @@ def _pointer_json(head: bytes) -> bytes:
     if not head.startswith(b"\x80"):
         return head
     for opcode, _argument, position in pickletools.genops(io_module.BytesIO(head)):  # ValueError if no pickle
-        if opcode.name == "STOP":
+        if opcode.name == "STOP" and position is not None:  # a position always, read from bytes
             return head[position + 1 :]
     raise ValueError("a pickle without STOP")
 
