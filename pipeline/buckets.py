@@ -12,8 +12,10 @@ until its upload ends, so local retention cannot delete it before or while it is
 
 Restore: when a run starts on local tiers that lack the step asked for (a new machine, wiped NVMe),
 :meth:`BucketFlusher.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
-verified before the local commit); the restore then reads it there as any local copy. Only a job
-of one process (or the leader of a shared persist tier) flushes; a node-scoped part is not uploaded.
+verified before the local commit); the restore then reads it there as any local copy. In a job of
+many ranks the leader of a shared persist tier flushes whole steps, and on a node-scoped persist
+tier each node's leader flushes its node's part, the last node publishing the global manifest
+(tiers/s3tier.py): no collective, so a flush never runs one beside the job's.
 
 The persist bucket (``config.persist_bucket``: the persist stage names a bucket with ``staging``):
 the stage writes and commits each checkpoint in the staging directory, then :meth:`BucketFlusher.publish`

@@ -131,8 +131,9 @@ class Runner:
         self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         # kind: s3 tiers (pipeline/buckets.py), checked here: bad credentials or a missing bucket fail now.
-        shared = config.tiers[config.persist_tier].scope == "shared"  # many ranks: its leader uploads whole steps
-        active = self._group is None or (shared and self.rank == 0)
+        # Many ranks: a shared persist tier's leader uploads whole steps, each node's leader its node's part.
+        shared = config.tiers[config.persist_tier].scope == "shared"
+        active = self._group is None or (self._group.is_leader if shared else self._group.is_node_leader)
         self._buckets = BucketFlusher(config, active=active)
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.

@@ -6,7 +6,8 @@ no rename, so the commit is the order of writes: every data object and index fir
 multipart uploads, each part CRC32-checked by the server), the manifest last with a conditional put
 (``If-None-Match: *``). A prefix without its manifest is not a checkpoint, whatever else it holds,
 and of two writers publishing the same step exactly one succeeds; the other gets a
-CheckpointExistsError naming the tier.
+CheckpointExistsError naming the tier. The nodes of a multi-node job each upload their part with a
+marker object, and the last one publishes the global manifest (:meth:`S3Tier.upload` of a part).
 
 Every frame is verified in its source before a byte of it is uploaded, and every frame downloaded
 is verified before the copy is committed on the local tier, so the bucket never publishes what the
@@ -27,10 +28,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from .filesystem import FilesystemTier, TierError
+from .filesystem import CheckpointExistsError, FilesystemTier, TierError
 from .format import manifest_bytes, parse_manifest
 from .integrity import verify_directory
 from .manifest import MANIFEST_NAME, Manifest
+from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker
 from .objstore import ObjectMissingError, ObjectStore, Progress
 from .reader import CorruptCheckpointError
 from .safeopen import open_or_create, open_read
@@ -131,13 +133,12 @@ class S3Tier:
     # -- writing --------------------------------------------------------------------------------
     def upload(self, source: Path, manifest: Manifest, progress: Progress | None = None) -> TransferReport:
         """Publish the committed checkpoint in directory ``source`` (described by ``manifest``) as
-        ``step-N`` here: verified first, data and indexes uploaded, the manifest last and conditional."""
+        ``step-N`` here: verified first, data and indexes uploaded, the manifest last and conditional.
+        A node's part (``manifest.node_part``) is uploaded as its share of the step (see below)."""
         step = manifest.step
         report = TransferReport(step, str(source), self.store.where(f"step-{step}"), "copied")
         if manifest.node_part is not None:
-            raise TierError(
-                errno.EOPNOTSUPP, f"tier {self.name}: {source} is one node's part; an s3 tier takes whole checkpoints"
-            )
+            return self._upload_node_part(source, manifest, report, progress)
         if self.holds(step):
             existing = self.manifest(step)
             if manifest_bytes(existing) != manifest_bytes(manifest):
@@ -151,6 +152,49 @@ class S3Tier:
         report.files, report.bytes = self.upload_files(source, manifest, progress)
         self.publish(manifest)
         return report
+
+    def _upload_node_part(
+        self, source: Path, part: Manifest, report: TransferReport, progress: Progress | None
+    ) -> TransferReport:
+        """One node's part of a multi-node checkpoint (its node-scoped tier's copy): its files, then its
+        marker ``step-N/node-<name>.part`` (the part's manifest); whichever node finds every node's marker
+        present joins the parts and publishes the global manifest with the conditional put. So the parts
+        meet under one prefix with no collective among the nodes, as on a shared directory tier
+        (tiers/nodeparts.py): each node writes its marker before it looks, and listings are strongly
+        consistent, so the last node to finish sees them all; two nodes publishing together put the same
+        manifest, and the one that loses the conditional put finds it there."""
+        own = part.node_part
+        step = part.step
+        if own is None:
+            raise TierError(errno.EINVAL, f"tier {self.name}: {source} holds a whole checkpoint, not a node's part")
+        if self.holds(step):
+            whole = self.manifest(step)
+            if whole.created != part.created or any(whole.files.get(n) != r for n, r in part.files.items()):
+                raise TierError(
+                    errno.EEXIST,
+                    f"tier {self.name} already holds a different checkpoint for step {step} "
+                    f"(created {whole.created}; node {own.node}'s part in {source} was created {part.created})",
+                )
+            report.outcome = "already there"
+            return report
+        report.files, report.bytes = self.upload_files(source, part, progress)
+        self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(part))
+        self._publish_when_whole(step, own.nodes)
+        return report
+
+    def _publish_when_whole(self, step: int, nodes: list[str]) -> None:
+        """Publish ``step`` if every node's marker is here (else the last node to upload will)."""
+        prefix = self.step_prefix(step)
+        markers = {o.name for o in self.store.list(prefix + PART_MARKER_PREFIX)}
+        if any(prefix + part_marker(node) not in markers for node in nodes):
+            return
+        names = [prefix + part_marker(node) for node in nodes]
+        whole = join_parts(step, [parse_manifest(self.store.get_bytes(n), self.store.where(n)) for n in names])
+        try:
+            self.publish(whole)
+        except CheckpointExistsError:
+            if manifest_bytes(self.manifest(step)) != manifest_bytes(whole):
+                raise
 
     def holds(self, step: int) -> bool:
         """Whether ``step`` is committed here (its manifest object exists): one small listing."""

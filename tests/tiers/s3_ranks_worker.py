@@ -12,6 +12,8 @@ endpoint and credentials too): ``python tests/tiers/s3_ranks_worker.py WORKDIR E
   ``again-shared``: a new run checkpoints step 2 again, which the bucket holds. ``killed-shared``:
   checkpoints step 1 with a tensor large enough for a multipart upload, during which the test
   SIGKILLs rank 1 (``TIERSTATE_FAULT=s3.part``); rank 0 records how its checkpoint ended.
+- ``flush-node``: each node's own NVMe is the persist tier, flushed to the bucket (each node's leader
+  uploads its part); checkpoints steps 1 to 3. ``restoreflushed-node``: restores with that config.
 
 Each rank writes ``WORKDIR/<scenario>/rank-R.json`` and then prints ``S3-RANKS-DONE``.
 """
@@ -44,6 +46,13 @@ def _persist_runner(workdir: Path, endpoint: str, url: str, scope: str) -> Runne
     return Runner.from_dict({"chunk_size": "1MiB", "tiers": {"bucket": bucket}, "pipeline": {"stages": stages}})
 
 
+def _flush_runner(workdir: Path, endpoint: str, url: str, scope: str) -> Runner:
+    nvme = {"path": str(workdir / "nodes/{node}/nvme"), "scope": scope, "retention": {"keep_last": 1}}
+    bucket = {"kind": "s3", "url": url, "endpoint_url": endpoint, "region": "us-east-1",
+              "flush": {"every": 1}, "retention": {"keep_last": 2}}  # fmt: skip
+    return Runner.from_dict({"chunk_size": "1MiB", "tiers": {"nvme": nvme, "bucket": bucket}})
+
+
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))
@@ -71,30 +80,38 @@ def restore(workdir: Path, endpoint: str, url: str) -> dict:
             "source": result.source, "problems": list(result.problems), "same": same}  # fmt: skip
 
 
-def persist(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+def persist(workdir: Path, endpoint: str, url: str, scope: str, steps: tuple[int, ...] = (1, 2)) -> dict:
     model = _model(0)
-    runner = _persist_runner(workdir, endpoint, url, scope)
+    runner = (_persist_runner if steps == (1, 2) else _flush_runner)(workdir, endpoint, url, scope)
     runner.register(model=ModuleProvider(model, replicated=False))
     outcomes = {}
-    for step in (1, 2):
+    for step in steps:
         with torch.no_grad():
             model[0].weight.add_(1.0 + dist.get_rank())  # each rank's state its own
         result = runner.checkpoint(step).result()
         outcomes[step] = {"tier": result.tier, "path": str(result.path)}
-    runner.close()
+    runner.close()  # waits for the flushes
     torch.save(model.state_dict(), workdir / f"saved-{dist.get_rank()}.pt")
-    return {"outcomes": outcomes}
+    return {"outcomes": outcomes, "flush_errors": [str(f) for f in runner.flush_failures]}
 
 
-def restore_persisted(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+def flush(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+    return persist(workdir, endpoint, url, scope, steps=(1, 2, 3))
+
+
+def restore_persisted(workdir: Path, endpoint: str, url: str, scope: str, flushed: bool = False) -> dict:
     model = _model(1)
-    runner = _persist_runner(workdir, endpoint, url, scope)
+    runner = (_flush_runner if flushed else _persist_runner)(workdir, endpoint, url, scope)
     runner.register(model=ModuleProvider(model, replicated=False))
     result = runner.restore("latest")
     runner.close()
     saved = torch.load(workdir / f"saved-{dist.get_rank()}.pt")
     same = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     return {"step": result.step, "tier_by_rank": list(result.tier_by_rank), "same": same}
+
+
+def restore_flushed(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
+    return restore_persisted(workdir, endpoint, url, scope, flushed=True)
 
 
 def again(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
@@ -124,9 +141,9 @@ def main() -> None:
         facts = {"save": save, "restore": restore}[scenario](workdir, endpoint, url)
     else:
         kind, scope = scenario.split("-")
-        facts = {"persist": persist, "restore": restore_persisted, "again": again, "killed": killed}[kind](
-            workdir, endpoint, url, scope
-        )
+        run = {"persist": persist, "restore": restore_persisted, "again": again, "killed": killed, "flush": flush,
+               "restoreflushed": restore_flushed}[kind]  # fmt: skip
+        facts = run(workdir, endpoint, url, scope)
     out = workdir / scenario
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(facts, indent=1))

@@ -139,3 +139,24 @@ def test_a_rank_killed_mid_upload_fails_the_step_on_the_others_and_nothing_is_pu
     left = tier.collect_garbage(older_than=0)
     assert {leftover.kind for leftover in left} == {"orphan object", "incomplete upload"}
     assert tier.store.list("") == [] and tier.store.uploads() == []
+
+
+def test_each_nodes_leader_flushes_its_part_to_the_bucket_and_the_last_publishes_the_step(endpoint, bucket, tmp_path):
+    """Two nodes (torchrun --nnodes=2) persist to their own NVMe and flush to the bucket with no shared
+    directory: each node's leader uploads its part and a marker, the node that finds both markers publishes
+    the global manifest, and retention keeps the two newest steps. With both NVMe copies gone the ranks
+    restore the newest step from the bucket, bit for bit."""
+    url = f"s3://{bucket}/nodes"
+    for rank, seen in enumerate(_two_ranks(tmp_path, endpoint, url, "flush-node", nodes=True)):
+        assert (set(seen["outcomes"]), seen["flush_errors"]) == ({"1", "2", "3"}, []), rank
+    tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint, region="us-east-1"))
+    assert tier.steps() == [2, 3]
+    manifest = tier.manifest(3)
+    assert (manifest.world_size, manifest.node_part) == (2, None)
+    assert sorted(manifest.files) == ["rank-00000.data", "rank-00001.data"]
+    assert verify_bucket_step(tier, 3).problems == []
+    for node in ("n0", "n1"):
+        assert 3 in FilesystemTier("nvme", tmp_path / "nodes" / node / "nvme", "node").steps()
+        shutil.rmtree(tmp_path / "nodes" / node / "nvme")
+    for rank, seen in enumerate(_two_ranks(tmp_path, endpoint, url, "restoreflushed-node", nodes=True)):
+        assert (seen["step"], seen["tier_by_rank"], seen["same"]) == (3, ["bucket", "bucket"], True), rank
