@@ -30,12 +30,11 @@ the nodes' parts meet under one prefix, the manifest last), and every rank gets 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from ..tiers.filesystem import FilesystemTier, TierError
+from ..tiers.filesystem import FilesystemTier
 from ..tiers.locks import reading
 from ..tiers.manifest import Manifest
 from ..tiers.nodeparts import files_of_ranks, join_parts
@@ -122,44 +121,57 @@ class BucketFlusher:
         log.info("checkpoint step %d published in %s", step, bucket.tier.store.where())
 
     def _publish_ranks(self, bucket: _Bucket, step: int, source: FilesystemTier, group: CheckpointGroup) -> None:
-        """Every rank uploads the files it wrote (from the shared staging directory, or from its node's),
-        each verified first; once every rank says its uploads succeeded, rank 0 puts the global manifest
-        (on a node-scoped staging tier, joined from the node leaders' parts) with the conditional put and
-        applies retention. Every rank gets the same outcome, so no rank reports the step durable before
-        the bucket publishes it, and all fail together, naming the rank and the reason, if any rank's
-        upload or the publication fails."""
-        error: str | None = None
-        part: Manifest | None = None
-        try:
-            if bucket.tier.holds(step):  # before any upload: a published step's objects are never written over
-                raise TierError(errno.EEXIST, f"tier {bucket.tier.name} already holds step {step}")
-            with reading(source.step_dir(step)):
+        """Rank 0 claims the step in the bucket; then every rank uploads the files it wrote (from the shared
+        staging directory, or from its node's), each verified first; once every rank says its uploads
+        succeeded, rank 0 puts the global manifest (on a node-scoped staging tier, joined from the node
+        leaders' parts) with the conditional put and applies retention. Every rank gets the same outcome,
+        so no rank reports the step durable before the bucket publishes it, and all fail together, naming
+        the rank and the reason, if the claim, any rank's upload or the publication fails."""
+        where = f"bucket {bucket.tier.name}"
+        error = refused = None
+        seen: Manifest | None = None
+        with contextlib.ExitStack() as held:
+            try:  # every rank reaches every collective below, whatever fails on it
+                held.enter_context(reading(source.step_dir(step)))
                 seen = source.manifest(step)  # the whole checkpoint, or this node's part of it
-                bucket.tier.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
-            whole_or_part = group.is_leader if seen.node_part is None else group.is_node_leader
-            part = seen if whole_or_part else None  # what rank 0 needs to write the global manifest
-        except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
-            error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-        said = group.gather_to_leader((error, part), f"step {step}: uploading to bucket {bucket.tier.name}")
+                if group.is_leader:
+                    bucket.tier.claim(step, seen.created)
+            except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
+                error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+            refused = group.from_leader(error if group.is_leader else None, f"step {step}: claiming it in {where}")
+            if refused is not None:
+                raise CheckpointAborted(f"step {step} was not published in {where}: {refused}")
+            if seen is not None and error is None:
+                try:
+                    bucket.tier.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
+                except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
+                    error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+        whole_or_part = seen is not None and (group.is_leader if seen.node_part is None else group.is_node_leader)
+        part = seen if whole_or_part else None  # what rank 0 needs to write the global manifest
+        said = group.gather_to_leader((error, part), f"step {step}: uploading to {where}")
         outcome = self._publish_whole(bucket, step, said) if said is not None else None
-        outcome = group.from_leader(outcome, f"step {step}: publishing in bucket {bucket.tier.name}")
+        outcome = group.from_leader(outcome, f"step {step}: publishing in {where}")
         if outcome is not None:
-            raise CheckpointAborted(f"step {step} was not published in bucket tier {bucket.tier.name}: {outcome}")
+            raise CheckpointAborted(f"step {step} was not published in {where}: {outcome}")
 
     def _publish_whole(self, bucket: _Bucket, step: int, said: list[tuple[str | None, Manifest | None]]) -> str | None:
         """On rank 0, once every rank said how its uploads went: the global manifest put last (joined from
-        the node parts on a node-scoped staging tier), then retention; what went wrong, or None."""
+        the node parts on a node-scoped staging tier), then retention, then the claim released; what went
+        wrong, or None. Never raises: the other ranks wait for its answer."""
         errors = [error for error, _part in said if error is not None]
-        if errors:
-            return "; ".join(errors)
         parts = [part for _error, part in said if part is not None]
         try:
-            whole = join_parts(step, parts) if parts[0].node_part is not None else parts[0]
-            bucket.tier.publish(whole)
-            self._retain(bucket)
+            if not errors:
+                whole = join_parts(step, parts) if parts[0].node_part is not None else parts[0]
+                bucket.tier.publish(whole)
+                self._retain(bucket)
         except Exception as exc:  # noqa: BLE001 - every rank fails the step with it
-            return f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}"
-        return None
+            errors.append(f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}")
+        try:
+            bucket.tier.release(step)  # every rank's uploads are over, whatever the outcome
+        except Exception as exc:  # noqa: BLE001 - a claim left behind only delays a later writer until gc
+            log.warning("step %d: could not release its claim in bucket %s: %s", step, bucket.tier.name, exc)
+        return "; ".join(errors) or None
 
     def _retain(self, bucket: _Bucket) -> None:
         steps = bucket.tier.steps()

@@ -6,8 +6,10 @@ no rename, so the commit is the order of writes: every data object and index fir
 multipart uploads, each part CRC32-checked by the server), the manifest last with a conditional put
 (``If-None-Match: *``). A prefix without its manifest is not a checkpoint, whatever else it holds,
 and of two writers publishing the same step exactly one succeeds; the other gets a
-CheckpointExistsError naming the tier. The nodes of a multi-node job each upload their part with a
-marker object, and the last one publishes the global manifest (:meth:`S3Tier.upload` of a part).
+CheckpointExistsError naming the tier. Before its first upload a writer claims the step
+(tiers/s3claim.py), so two writers never upload objects of one step at once. The nodes of a
+multi-node job each upload their part with a marker object, and the last one publishes the global
+manifest (:meth:`S3Tier.upload` of a part).
 
 Every frame is verified in its source before a byte of it is uploaded, and every frame downloaded
 is verified before the copy is committed on the local tier, so the bucket never publishes what the
@@ -35,6 +37,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker
 from .objstore import ObjectMissingError, ObjectStore, Progress
 from .reader import CorruptCheckpointError
+from .s3claim import CLAIM_NAME, claim_step, release_step
 from .safeopen import open_or_create, open_read
 from .source import ShortReadError
 
@@ -137,53 +140,51 @@ class S3Tier:
         A node's part (``manifest.node_part``) is uploaded as its share of the step (see below)."""
         step = manifest.step
         report = TransferReport(step, str(source), self.store.where(f"step-{step}"), "copied")
-        if manifest.node_part is not None:
-            return self._upload_node_part(source, manifest, report, progress)
-        if self.holds(step):
-            existing = self.manifest(step)
-            if manifest_bytes(existing) != manifest_bytes(manifest):
-                raise TierError(
-                    errno.EEXIST,
-                    f"tier {self.name} already holds a different checkpoint for step {step} "
-                    f"(created {existing.created}; the one in {source} was created {manifest.created})",
-                )
+        if self._holds_it(source, manifest):
             report.outcome = "already there"
             return report
-        report.files, report.bytes = self.upload_files(source, manifest, progress)
-        self.publish(manifest)
+        self.claim(step, manifest.created)
+        own = manifest.node_part
+        if own is not None:  # the claim is the step's, shared by its nodes and released by the one that publishes
+            report.files, report.bytes = self.upload_files(source, manifest, progress)
+            self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(manifest))
+            self._publish_when_whole(step, own.nodes)
+            return report
+        try:
+            report.files, report.bytes = self.upload_files(source, manifest, progress)
+            self.publish(manifest)
+        finally:
+            self.release(step)
         return report
 
-    def _upload_node_part(
-        self, source: Path, part: Manifest, report: TransferReport, progress: Progress | None
-    ) -> TransferReport:
-        """One node's part of a multi-node checkpoint (its node-scoped tier's copy): its files, then its
-        marker ``step-N/node-<name>.part`` (the part's manifest); whichever node finds every node's marker
-        present joins the parts and publishes the global manifest with the conditional put. So the parts
-        meet under one prefix with no collective among the nodes, as on a shared directory tier
-        (tiers/nodeparts.py): each node writes its marker before it looks, and listings are strongly
-        consistent, so the last node to finish sees them all; two nodes publishing together put the same
-        manifest, and the one that loses the conditional put finds it there."""
-        own = part.node_part
-        step = part.step
-        if own is None:
-            raise TierError(errno.EINVAL, f"tier {self.name}: {source} holds a whole checkpoint, not a node's part")
-        if self.holds(step):
-            whole = self.manifest(step)
-            if whole.created != part.created or any(whole.files.get(n) != r for n, r in part.files.items()):
-                raise TierError(
-                    errno.EEXIST,
-                    f"tier {self.name} already holds a different checkpoint for step {step} "
-                    f"(created {whole.created}; node {own.node}'s part in {source} was created {part.created})",
-                )
-            report.outcome = "already there"
-            return report
-        report.files, report.bytes = self.upload_files(source, part, progress)
-        self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(part))
-        self._publish_when_whole(step, own.nodes)
-        return report
+    def _holds_it(self, source: Path, manifest: Manifest) -> bool:
+        """Whether ``step-N`` here is already the checkpoint ``manifest`` describes (for a node's part: a
+        checkpoint of the same creation holding the part's files); TierError if it is another one."""
+        step = manifest.step
+        if not self.holds(step):
+            return False
+        existing = self.manifest(step)
+        if manifest.node_part is None:
+            same = manifest_bytes(existing) == manifest_bytes(manifest)
+        else:
+            mine = manifest.files.items()
+            same = existing.created == manifest.created and all(existing.files.get(n) == r for n, r in mine)
+        if not same:
+            raise TierError(
+                errno.EEXIST,
+                f"tier {self.name} already holds a different checkpoint for step {step} "
+                f"(created {existing.created}; the one in {source} was created {manifest.created})",
+            )
+        return True
 
     def _publish_when_whole(self, step: int, nodes: list[str]) -> None:
-        """Publish ``step`` if every node's marker is here (else the last node to upload will)."""
+        """A node's part of a multi-node checkpoint is in (its files, then its marker
+        ``step-N/node-<name>.part``, the part's manifest): publish ``step`` if every node's marker is
+        here, else leave it to the last node. So the parts meet under one prefix with no collective among
+        the nodes, as on a shared directory tier (tiers/nodeparts.py): each node writes its marker before
+        it looks, and listings are strongly consistent, so the last node to finish sees them all; two
+        nodes publishing together put the same manifest, and the one that loses the conditional put finds
+        it there."""
         prefix = self.step_prefix(step)
         markers = {o.name for o in self.store.list(prefix + PART_MARKER_PREFIX)}
         if any(prefix + part_marker(node) not in markers for node in nodes):
@@ -195,6 +196,20 @@ class S3Tier:
         except CheckpointExistsError:
             if manifest_bytes(self.manifest(step)) != manifest_bytes(whole):
                 raise
+        self.release(step)
+
+    def claim(self, step: int, created: str) -> None:
+        """Claim ``step-N`` for the checkpoint created at ``created`` before uploading a byte of it
+        (tiers/s3claim.py); TierError if another writer holds the claim or the step is already published
+        (checked after claiming: a writer publishes before it releases its claim)."""
+        claim_step(self.store, self.name, self.step_prefix(step), created)
+        if self.holds(step):
+            self.release(step)
+            raise TierError(errno.EEXIST, f"tier {self.name} already holds step {step}")
+
+    def release(self, step: int) -> None:
+        """Drop the claim on ``step-N``: its upload is over (published, or failed)."""
+        release_step(self.store, self.step_prefix(step))
 
     def holds(self, step: int) -> bool:
         """Whether ``step`` is committed here (its manifest object exists): one small listing."""
@@ -284,15 +299,18 @@ class S3Tier:
         return {int(m.group(1)) for o in self.store.list("step-") if (m := _STEP_OBJECT_RE.match(o.name))} - committed
 
     def collect_garbage(self, older_than: float, dry_run: bool = False) -> list[Leftover]:
-        """Remove, once older than ``older_than`` seconds, objects of a step that has no manifest and
-        multipart uploads never completed: what a killed writer leaves. Committed steps are not touched."""
+        """Remove, once older than ``older_than`` seconds, objects of a step that has no manifest, multipart
+        uploads never completed and upload claims: what a killed writer leaves. A committed step's data is
+        not touched."""
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
         committed = set(self.steps())
         found: list[Leftover] = []
         orphans = [
             o
             for o in self.store.list("step-")
-            if (m := _STEP_OBJECT_RE.match(o.name)) and int(m.group(1)) not in committed and o.modified < cutoff
+            if (m := _STEP_OBJECT_RE.match(o.name))
+            and (int(m.group(1)) not in committed or o.name.endswith("/" + CLAIM_NAME))
+            and o.modified < cutoff
         ]
         if not dry_run:
             self.store.delete([o.name for o in orphans])

@@ -1,0 +1,128 @@
+"""Upload claims on a real S3-protocol server: two writers never upload objects of one step at once, so
+the checkpoint that wins the manifest's conditional put is intact, and a killed writer's claim neither
+blocks its own host for ever nor outlives gc (tiers/s3claim.py)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+
+import s3server
+
+from tierstate import Runner
+from tierstate.providers import TensorDictProvider
+from tierstate.tiers.bucketcmds import verify_bucket_step
+from tierstate.tiers.filesystem import FilesystemTier, TierError
+from tierstate.tiers.manifest import Manifest
+from tierstate.tiers.objstore import ObjectStore
+from tierstate.tiers.s3claim import CLAIM_NAME
+from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.stored import StoredCheckpoint
+
+endpoint = s3server.endpoint
+bucket = s3server.bucket
+MiB = 1 << 20
+
+
+def _tier(endpoint: str, url: str) -> S3Tier:
+    return S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint, region="us-east-1", part_size=5 * MiB))
+
+
+def _checkpoint(directory: Path, seed: int) -> tuple[FilesystemTier, dict[str, torch.Tensor]]:
+    """Step 5 of a state of its own committed in ``directory`` (an 8 MiB data file: a multipart upload)."""
+    settings = {"chunk_size": "1MiB", "host_cache": {"size": "16MiB"}, "tiers": {"nvme": {"path": str(directory)}}}
+    runner = Runner.from_dict(settings)
+    state = {"w": torch.randn(2 * MiB, generator=torch.Generator().manual_seed(seed))}
+    runner.register(t=TensorDictProvider(state))
+    runner.checkpoint(5).result()
+    runner.close()
+    return FilesystemTier("nvme", directory), {"t/w": state["w"].clone()}
+
+
+def _claim(tier: S3Tier, pid: int, created: str = "2026-01-01T00:00:00.000+00:00") -> None:
+    claim = {"created": created, "host": socket.gethostname(), "pid": pid, "since": "2026-01-01T00:00:00+00:00"}
+    tier.store.put_bytes(f"step-5/{CLAIM_NAME}", json.dumps(claim).encode())
+
+
+def test_a_live_writers_claim_refuses_another_checkpoint_of_the_step_before_any_upload(endpoint, bucket, tmp_path):
+    local, _ = _checkpoint(tmp_path / "a", seed=0)
+    tier = _tier(endpoint, f"s3://{bucket}/claimed")
+    _claim(tier, os.getpid())  # a writer at work: this very process
+    with pytest.raises(TierError, match=rf"being uploaded by another writer \(host {socket.gethostname()}, "
+                       rf"pid {os.getpid()}.*gc removes its claim") as refused:  # fmt: skip
+        tier.upload(local.step_dir(5), local.manifest(5))
+    assert refused.value.errno == errno.EBUSY and "tier bucket" in str(refused.value)
+    assert [o.name for o in tier.store.list("")] == [f"step-5/{CLAIM_NAME}"] and tier.store.uploads() == []
+    tier.release(5)  # that writer finished
+    assert tier.upload(local.step_dir(5), local.manifest(5)).outcome == "copied"
+    assert tier.steps() == [5] and not any(o.name.endswith(CLAIM_NAME) for o in tier.store.list(""))
+
+
+def test_a_claim_left_by_a_writer_killed_on_this_host_is_taken_over(endpoint, bucket, tmp_path):
+    local, expected = _checkpoint(tmp_path / "a", seed=0)
+    tier = _tier(endpoint, f"s3://{bucket}/taken")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _claim(tier, int(gone.stdout))  # its process has exited: the claim is stale
+    assert tier.upload(local.step_dir(5), local.manifest(5)).outcome == "copied"
+    assert tier.steps() == [5] and verify_bucket_step(tier, 5).problems == []
+    assert not any(o.name.endswith(CLAIM_NAME) for o in tier.store.list(""))
+
+
+def test_two_checkpoints_of_one_step_uploaded_at_once_leave_the_published_one_intact(endpoint, bucket, tmp_path):
+    """Two runs sharing a prefix upload different checkpoints of step 5 at the same moment, three times:
+    one publishes, the other fails naming the tier, and what is published is the winner's, bit for bit."""
+    writers = [_checkpoint(tmp_path / name, seed) for name, seed in (("a", 1), ("b", 2))]
+    for round_ in range(3):
+        url = f"s3://{bucket}/race-{round_}"
+        barrier = threading.Barrier(2)
+        results: list[BaseException | None] = [None, None]
+
+        def upload(which: int, url: str = url, barrier: threading.Barrier = barrier, results: list = results) -> None:
+            local, _ = writers[which]
+            tier = _tier(endpoint, url)
+            barrier.wait()
+            try:
+                tier.upload(local.step_dir(5), local.manifest(5))
+            except BaseException as exc:  # noqa: BLE001 - judged below
+                results[which] = exc
+
+        threads = [threading.Thread(target=upload, args=(which,)) for which in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sum(r is None for r in results) == 1, results
+        (winner,) = [which for which in (0, 1) if results[which] is None]
+        lost = results[1 - winner]
+        assert isinstance(lost, TierError) and lost.errno in (errno.EBUSY, errno.EEXIST), lost
+        assert "tier bucket" in str(lost) and "step 5" in str(lost) or "step-5" in str(lost), lost
+        tier = _tier(endpoint, url)
+        assert tier.manifest(5) == Manifest.model_validate(writers[winner][0].manifest(5).model_dump())
+        assert verify_bucket_step(tier, 5).problems == []
+        loaded = StoredCheckpoint(tier.source(5), 5).read()
+        assert torch.equal(loaded["t/w"], writers[winner][1]["t/w"])
+
+
+def test_gc_removes_a_claim_left_on_a_published_step(endpoint, bucket, tmp_path):
+    """A writer killed between its manifest and its release leaves a claim on a committed step: gc removes
+    the claim after the grace period and nothing of the checkpoint."""
+    local, _ = _checkpoint(tmp_path / "a", seed=0)
+    tier = _tier(endpoint, f"s3://{bucket}/left")
+    tier.upload(local.step_dir(5), local.manifest(5))
+    _claim(tier, os.getpid(), local.manifest(5).created)
+    assert tier.collect_garbage(older_than=3600) == []
+    (found,) = tier.collect_garbage(older_than=0)
+    assert (found.kind, found.what.endswith(f"step-5/{CLAIM_NAME}")) == ("orphan object", True)
+    assert tier.steps() == [5] and verify_bucket_step(tier, 5).problems == []
