@@ -275,6 +275,7 @@ def test_load_from_checkpoint_on_a_pointer_says_what_to_do_and_the_helper_loads_
     trainer.fit(trained, DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
     last = tmp_path / "ckpt" / "last.ckpt"
     assert _pointer(last)["load"] == LOAD_HINT
+    assert "this file is a pointer to a tierstate checkpoint" in last.read_text()  # a text file: cat shows it
     for weights_only in (True, False):
         with pytest.raises(
             RuntimeError,

@@ -37,8 +37,8 @@ import io as io_module
 import json
 import logging
 import os
-import pickle
 import pickletools
+import struct
 import threading
 import weakref
 from collections.abc import Mapping
@@ -82,20 +82,23 @@ LOAD_HINT = (
 _POINTER_MAX = 1 << 16  # a pointer is a few hundred bytes; a torch .ckpt is a zip that never parses as JSON
 
 
-class _TorchLoadTrap:
-    """Pickles as ``torch.device(<what to do>)``, a call that ``torch.load`` allows even with ``weights_only``.
+def _torch_load_trap(message: str) -> bytes:
+    """A pickle of ``torch.device(message)``, a call that ``torch.load`` allows even with ``weights_only``.
 
     ``LightningModule.load_from_checkpoint`` reads a path with ``torch.load`` itself, with no hook a plugin
     could use. A pointer therefore starts with this pickle: ``torch.load`` (weights-only or not, whatever
     ``map_location``) unpickles it first and raises ``RuntimeError: Invalid device string: 'this file is a
     pointer to a tierstate checkpoint ... load it with ...'``, instead of torch's own advice to retry with
-    ``weights_only=False``, which would fail as well."""
+    ``weights_only=False``, which would fail as well. Written opcode by opcode with no protocol header,
+    and ``message`` padded so that its length's bytes are ASCII too, the pointer stays a text file:
+    ``cat`` shows the message, then the JSON."""
+    while any(byte >= 0x80 for byte in struct.pack("<I", len(message.encode()))):
+        message += " "
+    text = message.encode()
+    return b"ctorch\ndevice\n(X" + struct.pack("<I", len(text)) + text + b"tR.\n"
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return torch.device, (f"this file is {LOAD_HINT}",)
 
-
-_TORCH_LOAD_TRAP = pickle.dumps(_TorchLoadTrap(), protocol=2) + b"\n"
+_TORCH_LOAD_TRAP = _torch_load_trap(f"this file is {LOAD_HINT}")
 """The first bytes of every pointer; its JSON follows on the next line."""
 
 
@@ -121,7 +124,7 @@ def read_pointer(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 def _pointer_json(head: bytes) -> bytes:
     """The JSON part of a file that may be a pointer: what follows the leading pickle (found by walking its
     opcodes, never by unpickling), or the whole file for a pointer written before the trap existed."""
-    if not head.startswith(b"\x80"):
+    if head.lstrip().startswith(b"{"):
         return head
     for opcode, _argument, position in pickletools.genops(io_module.BytesIO(head)):  # ValueError if no pickle
         if opcode.name == "STOP" and position is not None:  # a position always, read from bytes
