@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from tierstate.errors import TierstateError
 
 from ..tiers.filesystem import FilesystemTier
+from ..tiers.s3tier import S3Tier
 from ..tiers.setaside import SET_ASIDE_PREFIX, holdings, set_aside
 from .distributed import CheckpointGroup
 
@@ -29,28 +30,59 @@ def _held(tiers: Sequence[FilesystemTier]) -> dict[str, list[int]]:
     return {f"{name} ({tier.root})": steps for tier in tiers for name, steps in holdings(tier).items()}
 
 
+def _held_in(buckets: Sequence[S3Tier]) -> tuple[dict[str, list[int]], list[str]]:
+    """The buckets' committed steps by tier, and why a bucket could not be listed."""
+    held, unlisted = {}, []
+    for bucket in buckets:
+        try:
+            steps = bucket.steps()
+        except OSError as exc:
+            unlisted.append(f"tier {bucket.name} ({bucket.store.where()}): {exc}")
+            continue
+        if steps:
+            held[f"{bucket.name} ({bucket.store.where()})"] = steps
+    return held, unlisted
+
+
 def start_fresh(
-    tiers: Sequence[FilesystemTier], group: CheckpointGroup | None, settle: Callable[[], object], aside: bool
+    tiers: Sequence[FilesystemTier],
+    buckets: Sequence[S3Tier],
+    group: CheckpointGroup | None,
+    settle: Callable[[], object],
+    aside: bool,
 ) -> dict[str, list[int]]:
     """Make the tiers empty of committed checkpoints for a new run; what they held, by tier.
 
     ``settle`` first waits for the background flushes a crashed run left (they complete the old
     run's copies, which are then set aside with the rest). ``aside``: rename the old checkpoints
-    aside instead of refusing.
+    aside instead of refusing. A bucket holding checkpoints refuses either way (an object store has
+    no rename), before anything is set aside: its old steps would otherwise be what ``latest`` finds.
     """
     settle()
     seen = _held(tiers)
+    in_buckets, unlisted = _held_in(buckets)
     if group is not None:
-        seen = {name: steps for each in group.all_gather(seen, "fresh start: what the tiers hold") for name, steps
-                in each.items()}  # fmt: skip
-    if not seen:
+        said = group.all_gather((seen, in_buckets, unlisted), "fresh start: what the tiers hold")
+        seen = {name: steps for each, _b, _u in said for name, steps in each.items()}
+        in_buckets = {name: steps for _s, each, _u in said for name, steps in each.items()}
+        unlisted = [text for _s, _b, each in said for text in each]
+    if unlisted:
+        raise ExistingCheckpointsError(f"a fresh start, but a bucket could not be listed: {'; '.join(unlisted)}")
+    if not seen and not in_buckets:
         return {}
-    listed = "; ".join(f"{name}: steps {steps}" for name, steps in sorted(seen.items()))
+    listed = "; ".join(f"{name}: steps {steps}" for name, steps in sorted({**seen, **in_buckets}.items()))
     if not aside:
         raise ExistingCheckpointsError(
             f"a fresh start, but the tiers hold an earlier run's checkpoints ({listed}); resume it instead, point "
             f"this run at tiers of its own, or set them aside (start_fresh(set_aside=True): renamed to "
             f"{SET_ASIDE_PREFIX}<time>, never listed or restored)"
+        )
+    if in_buckets:
+        held = "; ".join(f"{name}: steps {steps}" for name, steps in sorted(in_buckets.items()))
+        raise ExistingCheckpointsError(
+            f"a fresh start, but a bucket holds an earlier run's checkpoints ({held}), which cannot be set aside "
+            "(an object store has no rename): point this run at a prefix of its own (the bucket's url), or "
+            "delete them (tierstate s3 prune URL --keep-last 0); nothing was set aside"
         )
     label = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     if group is not None:

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -34,8 +35,9 @@ from tierstate.errors import TierstateError
 from ..providers.base import OwnsOptimizer
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..tiers.filesystem import FilesystemTier
+from ..tiers.filesystem import FilesystemTier, TierError
 from ..tiers.hostcache import HostCache
+from ..tiers.s3tier import S3Tier
 from .agreement import restore_checkpoint
 from .buckets import BucketFlusher
 from .config import PipelineConfig, load_config, parse_config
@@ -286,12 +288,21 @@ class Runner:
             self._metrics.add(stats)
 
     def latest_step(self) -> int | None:
-        """The step ``restore("latest")`` would take: the newest every rank holds on some tier; None on a
-        first run. Collective with many ranks (every rank gets the same answer)."""
-        held = {step for tier in self.tiers for step in tier.steps()}
+        """The step ``restore("latest")`` would take: the newest every rank holds on some tier (a bucket's
+        too); None on a first run. Collective with many ranks (every rank gets the same answer, or the same
+        error if a rank could not list a tier: a step left out for that would be a wrong answer)."""
+        held: set[int] = set()
+        error = None
+        try:
+            held = {step for steps in self.steps().values() for step in steps}
+        except OSError as exc:
+            error = f"rank {self.rank}: {exc}"
         if self._group is not None:
-            every = self._group.all_gather(sorted(held), "latest_step: which steps each rank holds")
-            held = set.intersection(*(set(steps) for steps in every))
+            every = self._group.all_gather((sorted(held), error), "latest_step: which steps each rank holds")
+            held = set.intersection(*(set(steps) for steps, _error in every))
+            error = "; ".join(text for _steps, text in every if text is not None) or None
+        if error is not None:
+            raise TierError(errno.EIO, f"latest_step: a tier could not be listed: {error}")
         return max(held, default=None)
 
     async def acheckpoint(self, step: int) -> CheckpointResult:
@@ -351,7 +362,7 @@ class Runner:
         :class:`ExistingCheckpointsError` naming them, or with ``set_aside=True`` renames them aside
         (kept, never listed or restored); what they held, by tier."""
         self.wait()
-        return start_fresh(self.tiers, self._group, self._flusher.drain, set_aside)
+        return start_fresh(self.tiers, self._buckets.tiers, self._group, self._flusher.drain, set_aside)
 
     # --- restore ------------------------------------------------------------------------------
     def restore(self, which: int | str = "latest", fallback: bool = False) -> RestoreResult:
@@ -418,9 +429,14 @@ class Runner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def buckets(self) -> list[S3Tier]:
+        """The ``kind: s3`` tiers: flushed to, and read when no local tier holds a step."""
+        return self._buckets.tiers
+
     def steps(self) -> dict[str, list[int]]:
-        """Committed steps per tier."""
-        return {tier.name: tier.steps() for tier in self.tiers}
+        """Committed steps per tier, the buckets' included."""
+        return {tier.name: tier.steps() for tier in [*self.tiers, *self._buckets.tiers]}
 
 
 async def _settled(handle: CheckpointHandle) -> None:

@@ -16,7 +16,6 @@ import errno
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from .catalog import summary
@@ -30,7 +29,6 @@ from .pacing import Pacer
 from .policy import RetentionPolicy
 from .retention import Decision, Leftover, delete_step
 from .s3tier import S3Tier, TransferReport
-from .source import ByteSource
 from .stored import StoredCheckpoint
 from .verify import VerifyResult
 
@@ -43,12 +41,6 @@ class BucketPolicies:
 
     tier: S3Tier
     retention: RetentionPolicy = RetentionPolicy()
-
-
-def location_of(tier: AnyTier, step: int) -> Path | ByteSource:
-    """Where ``tier`` keeps ``step``, as :class:`~tiers.stored.StoredCheckpoint` takes it: a directory,
-    or a bucket prefix as a byte source."""
-    return tier.source(step) if isinstance(tier, S3Tier) else tier.step_dir(step)
 
 
 def _step_bytes(tier: S3Tier) -> dict[int, tuple[int, datetime]]:

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from tierstate.errors import TierstateError
 
-from .bucketcmds import AnyTier, BucketPolicies, location_of, migrate_bucket, prune_bucket, verify_bucket_step
+from .bucketcmds import AnyTier, BucketPolicies, migrate_bucket, prune_bucket, verify_bucket_step
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, summary
 from .convert import Format
 from .export import ExportFormat, ExportReport, export
@@ -90,7 +90,7 @@ def step_location(tiers: Sequence[AnyTier], step: int) -> Path | ByteSource:
     """Where ``step`` is on the fastest tier that holds it committed: a directory, or a bucket's prefix."""
     for tier in tiers:
         if step in tier.steps():
-            return location_of(tier, step)
+            return tier.location(step)
     raise UsageError(f"step {step}: no committed checkpoint on any tier")
 
 
@@ -310,7 +310,7 @@ def export_step(
     if fmt == "hf" and provider is None:
         raise UsageError(HF_NEEDS_PROVIDER)
     if provider is not None:
-        present = StoredCheckpoint(location_of(holders[0], step), step).providers()
+        present = StoredCheckpoint(holders[0].location(step), step).providers()
         if provider not in present:
             raise UsageError(f"step {step}: no provider {provider!r} (providers: {', '.join(present) or 'none'})")
     existing = weight_files(out) if fmt == "hf" and not out.is_symlink() else [out]
@@ -331,7 +331,7 @@ def export_step(
     problems = []
     for tier in holders:  # fastest first; a damaged copy gives way to the next tier's
         try:
-            with StoredCheckpoint.locked(location_of(tier, step), step) as checkpoint:
+            with StoredCheckpoint.locked(tier.location(step), step) as checkpoint:
                 with progress(f"export step {step}", checkpoint.stored_bytes) as advance:
                     report = write(checkpoint, advance)
         except FAILURES as exc:

@@ -134,6 +134,10 @@ class FilesystemTier:
     def step_dir(self, step: int) -> Path:
         return self.root / f"step-{step}"
 
+    def location(self, step: int) -> Path:
+        """Where ``step`` is, as :class:`tiers.stored.StoredCheckpoint` takes it (a bucket gives a source)."""
+        return self.step_dir(step)
+
     def partial_dir(self, step: int) -> Path:
         return self.root / f"step-{step}{PARTIAL_SUFFIX}"
 

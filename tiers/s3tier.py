@@ -129,6 +129,10 @@ class S3Tier:
         """``step-N`` as a byte source, for :class:`tiers.stored.StoredCheckpoint` to read."""
         return BucketSource(self.store, self.step_prefix(step))
 
+    def location(self, step: int) -> BucketSource:
+        """Where ``step`` is, as a directory tier's ``location`` says it: here its byte source."""
+        return self.source(step)
+
     def manifest(self, step: int) -> Manifest:
         name = self.step_prefix(step) + MANIFEST_NAME
         return parse_manifest(self.store.get_bytes(name), self.store.where(name))

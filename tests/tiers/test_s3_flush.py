@@ -19,6 +19,7 @@ import s3server
 
 from conftest import REPO
 from tierstate.pipeline.config import ConfigError
+from tierstate.pipeline.fresh import ExistingCheckpointsError
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
 from tierstate.tiers.filesystem import FilesystemTier, TierError
@@ -61,6 +62,36 @@ def test_flush_nvme_to_bucket_then_restore_after_local_tiers_wiped(make_runner, 
     result = again.restore()
     assert result.step == 3
     assert all(torch.equal(restored[k], expected[k]) for k in expected)
+
+
+def test_a_new_machine_sees_the_buckets_steps_and_a_fresh_start_over_them_is_refused(
+    make_runner, endpoint, bucket, tmp_path
+):
+    """With the local tiers empty (a new machine), ``latest_step`` and ``steps`` see the bucket's
+    checkpoints, as ``restore("latest")`` does, so a loop that resumes when ``latest_step()`` is not None
+    resumes. A fresh start over them is refused, also with ``set_aside=True`` (a bucket has no rename):
+    otherwise a later ``latest`` would find the old run's newer steps there."""
+    url = f"s3://{bucket}/newmachine"
+    state = {"w": torch.randn(MiB)}
+    runner = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, url))
+    runner.register(model=TensorDictProvider(state))
+    for step in (1, 2):
+        runner.checkpoint(step).result()
+    runner.close()
+    assert runner.flush_failures == []
+    shutil.rmtree(tmp_path / "nvme")
+    shutil.rmtree(tmp_path / "pfs", ignore_errors=True)
+    again = make_runner(chunk_size="1MiB", **_bucket_tier(endpoint, url))
+    assert again.latest_step() == 2 and again.steps()["bucket"] == [1, 2]
+    for aside in (False, True):
+        with pytest.raises(ExistingCheckpointsError, match=r"bucket \(s3://.*/newmachine\): steps \[1, 2\]"):
+            again.start_fresh(set_aside=aside)
+    again.register(model=TensorDictProvider(state))
+    again.checkpoint(3).result()  # a local step, then a fresh start with leave to set aside: refused whole
+    with pytest.raises(ExistingCheckpointsError, match="cannot be set aside .*nothing was set aside"):
+        again.start_fresh(set_aside=True)
+    assert 3 in again.steps()["nvme"]
+    again.close()
 
 
 def test_runner_construction_names_a_missing_bucket(make_runner, endpoint):

@@ -9,25 +9,38 @@ copy tried, as a runner's restore does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-from tierstate import FilesystemTier
-
-from ..tiers.stored import StoredCheckpoint
+from ..tiers.stored import Location, StoredCheckpoint
 
 T = TypeVar("T")
 
 
+class Tier(Protocol):
+    """What a loader needs of a tier, a directory or a bucket: its name, its steps, where one is."""
+
+    @property
+    def name(self) -> str: ...
+
+    def steps(self) -> list[int]: ...
+
+    def location(self, step: int) -> Location: ...
+
+
+TierT = TypeVar("TierT", bound=Tier)
+
+
 def read_first_clean(
-    tiers: Sequence[FilesystemTier], step: int, read: Callable[[StoredCheckpoint], T], problems: list[str]
-) -> tuple[FilesystemTier, T] | None:
-    """The first of ``tiers`` (in order) holding ``step`` whose copy ``read`` reads without a copy error,
-    with what it read; None if none does. Each copy passed over is added to ``problems``, named."""
+    tiers: Sequence[TierT], step: int, read: Callable[[StoredCheckpoint], T], problems: list[str]
+) -> tuple[TierT, T] | None:
+    """The first of ``tiers`` (in order: the buckets last) holding ``step`` whose copy ``read`` reads
+    without a copy error, with what it read; None if none does. Each copy passed over is added to
+    ``problems``, named."""
     for tier in tiers:
         if step not in tier.steps():
             continue
         try:
-            with StoredCheckpoint.locked(tier.step_dir(step), step) as checkpoint:
+            with StoredCheckpoint.locked(tier.location(step), step) as checkpoint:
                 return tier, read(checkpoint)
         except StoredCheckpoint.COPY_ERRORS as exc:
             problems.append(f"tier {tier.name} step {step}: {exc}")

@@ -329,13 +329,14 @@ def _state_json(trainer: Trainer) -> str:
 def _newest_trainer_state(runner: Runner) -> tuple[int, str, str] | None:
     """The newest step on the runner's tiers whose Trainer state reads clean, that state's JSON text, and
     where it was read (tier and directory)."""
-    steps = sorted({step for tier in runner.tiers for step in tier.steps()}, reverse=True)
+    tiers = [*runner.tiers, *runner.buckets]  # a bucket's copy too: a new machine's tiers are empty
+    steps = sorted({step for tier in tiers for step in tier.steps()}, reverse=True)
     problems: list[str] = []
     for step in steps:  # a damaged copy: the next tier's, or an older step
-        found = read_first_clean(runner.tiers, step, _trainer_state_text, problems)
+        found = read_first_clean(tiers, step, lambda stored: (_trainer_state_text(stored), stored.where), problems)
         if found is not None:
-            tier, text = found
-            return step, text, f"tier {tier.name}, {tier.step_dir(step)}"
+            tier, (text, where) = found
+            return step, text, f"tier {tier.name}, {where}"
     if problems:
         raise TrainerIntegrationError("no checkpoint on the tiers reads clean: " + "; ".join(problems))
     return None
