@@ -11,9 +11,10 @@ import torch
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 import s3server
+import transformers
 
 from tierstate.integrations.hf import TierstateCallback
 
