@@ -135,7 +135,7 @@ class BucketFlusher:
                 held.enter_context(reading(source.step_dir(step)))
                 seen = source.manifest(step)  # the whole checkpoint, or this node's part of it
                 if group.is_leader:
-                    bucket.tier.claim(step, seen.created)
+                    bucket.tier.claim(step, seen.created, list(group.nodes))
             except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
                 error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
             refused = group.from_leader(error if group.is_leader else None, f"step {step}: claiming it in {where}")

@@ -7,9 +7,11 @@ therefore write objects of the same names, and the loser of the manifest's condi
 replace bytes of the checkpoint the winner published. So before its first upload a writer *claims*
 the step: ``step-N/upload.json`` (which checkpoint, which host and process, since when), created
 only if absent. A claim by the same checkpoint (another node's part, a retry) is shared; a claim
-left by a writer killed on this host (its process is gone) is taken over; any other claim refuses
-the upload, naming who holds it, until its writer finishes or ``gc`` removes it after the grace
-period. A finished upload (published or failed) releases its claim.
+left by a writer killed on this host (its process is gone) is taken over, and so is one left by a
+node of the claiming job for an older checkpoint (that job's previous incarnation, re-doing the
+step after a crash); any other claim refuses the upload, naming who holds it, until its writer
+finishes or ``gc`` removes it after the grace period. A finished upload (published or failed)
+releases its claim.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import errno
 import json
 import os
 import socket
+from collections.abc import Collection
 from datetime import UTC, datetime
 
 from .filesystem import CheckpointExistsError, TierError
+from .nodes import node_name
 from .objstore import ObjectMissingError, ObjectStore
 
 CLAIM_NAME = "upload.json"
@@ -40,12 +44,19 @@ def _alive_here(claim: dict[str, object]) -> bool:
     return True
 
 
-def claim_step(store: ObjectStore, tier: str, prefix: str, created: str) -> None:
-    """Claim ``prefix`` (``step-N/``) for the checkpoint created at ``created``; TierError (EBUSY) naming
-    the holder if another writer holds it."""
+def _superseded(claim: dict[str, object], created: str, nodes: Collection[str]) -> bool:
+    """A claim one of ``nodes`` (this job's) left for a checkpoint created before ``created``: this job,
+    restarted, checkpoints the step again, so the writer of that claim is gone."""
+    held = claim.get("created")
+    return claim.get("node") in nodes and isinstance(held, str) and held < created  # ISO times, one format
+
+
+def claim_step(store: ObjectStore, tier: str, prefix: str, created: str, nodes: Collection[str] = ()) -> None:
+    """Claim ``prefix`` (``step-N/``) for the checkpoint created at ``created`` by a job on ``nodes``;
+    TierError (EBUSY) naming the holder if another writer holds it."""
     name = prefix + CLAIM_NAME
     mine = {
-        "created": created, "host": socket.gethostname(), "pid": os.getpid(),
+        "created": created, "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
         "since": datetime.now(UTC).isoformat(timespec="seconds"),
     }  # fmt: skip
     for _attempt in range(2):
@@ -64,7 +75,7 @@ def claim_step(store: ObjectStore, tier: str, prefix: str, created: str) -> None
             held = {}
         if held.get("created") == created:
             return  # the same checkpoint: another node's part of it, or this one tried again
-        if _alive_here(held):
+        if _alive_here(held) and not _superseded(held, created, nodes):
             who = f"host {held.get('host')}, pid {held.get('pid')}, since {held.get('since')}"
             raise TierError(
                 errno.EBUSY,
@@ -72,7 +83,7 @@ def claim_step(store: ObjectStore, tier: str, prefix: str, created: str) -> None
                 f"of a checkpoint created {held.get('created')}; if that writer was killed, gc removes its "
                 "claim and objects after the grace period",
             )
-        store.delete([name])  # its writer died on this host: taken over
+        store.delete([name])  # its writer died: taken over
     raise TierError(errno.EBUSY, f"tier {tier}: could not claim {store.where(name)}: another writer keeps taking it")
 
 

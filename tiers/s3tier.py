@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -147,8 +148,8 @@ class S3Tier:
         if self._holds_it(source, manifest):
             report.outcome = "already there"
             return report
-        self.claim(step, manifest.created)
         own = manifest.node_part
+        self.claim(step, manifest.created, own.nodes if own is not None else ())
         if own is not None:  # the claim is the step's, shared by its nodes and released by the one that publishes
             report.files, report.bytes = self.upload_files(source, manifest, progress)
             self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(manifest))
@@ -202,11 +203,11 @@ class S3Tier:
                 raise
         self.release(step)
 
-    def claim(self, step: int, created: str) -> None:
-        """Claim ``step-N`` for the checkpoint created at ``created`` before uploading a byte of it
-        (tiers/s3claim.py); TierError if another writer holds the claim or the step is already published
-        (checked after claiming: a writer publishes before it releases its claim)."""
-        claim_step(self.store, self.name, self.step_prefix(step), created)
+    def claim(self, step: int, created: str, nodes: Collection[str] = ()) -> None:
+        """Claim ``step-N`` for the checkpoint created at ``created`` (by a job on ``nodes``) before
+        uploading a byte of it (tiers/s3claim.py); TierError if another writer holds the claim or the step
+        is already published (checked after claiming: a writer publishes before it releases its claim)."""
+        claim_step(self.store, self.name, self.step_prefix(step), created, nodes)
         if self.holds(step):
             self.release(step)
             raise TierError(errno.EEXIST, f"tier {self.name} already holds step {step}")

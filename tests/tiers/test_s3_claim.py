@@ -26,6 +26,7 @@ from tierstate.providers import TensorDictProvider
 from tierstate.tiers.bucketcmds import verify_bucket_step
 from tierstate.tiers.filesystem import FilesystemTier, TierError
 from tierstate.tiers.manifest import Manifest
+from tierstate.tiers.nodeparts import node_part
 from tierstate.tiers.objstore import ObjectStore
 from tierstate.tiers.s3claim import CLAIM_NAME
 from tierstate.tiers.s3tier import S3Tier
@@ -126,3 +127,25 @@ def test_gc_removes_a_claim_left_on_a_published_step(endpoint, bucket, tmp_path)
     (found,) = tier.collect_garbage(older_than=0)
     assert (found.kind, found.what.endswith(f"step-5/{CLAIM_NAME}")) == ("orphan object", True)
     assert tier.steps() == [5] and verify_bucket_step(tier, 5).problems == []
+
+
+def test_a_claim_a_node_of_this_job_left_for_an_older_checkpoint_is_taken_over(endpoint, bucket, tmp_path):
+    """A multi-node job restarted after a crash checkpoints a step again: the claim its previous incarnation
+    left on another host (whose process cannot be probed from here) is taken over when it names one of the
+    job's nodes and an older checkpoint; a claim of a node outside the job, or of a newer checkpoint, is not."""
+    local, _ = _checkpoint(tmp_path / "a", seed=0)
+    part = node_part(local.manifest(5), "n0", [0], ["n0", "n1"])  # this node's share of a two-node step
+    older, newer = "2000-01-01T00:00:00.000+00:00", "2999-01-01T00:00:00.000+00:00"
+    for node, created, taken in (("n9", older, False), ("n1", newer, False), ("n1", older, True)):
+        tier = _tier(endpoint, f"s3://{bucket}/restarted-{node}-{created[:4]}")
+        claim = {"created": created, "host": "another-host", "node": node, "pid": 1, "since": created}
+        tier.store.put_bytes(f"step-5/{CLAIM_NAME}", json.dumps(claim).encode())
+        if not taken:
+            with pytest.raises(TierError, match="being uploaded by another writer"):
+                tier.upload(local.step_dir(5), part)
+            continue
+        assert tier.upload(local.step_dir(5), part).outcome == "copied"
+        names = {o.name for o in tier.store.list("step-5/")}
+        assert {"step-5/rank-00000.data", "step-5/node-n0.part", f"step-5/{CLAIM_NAME}"} <= names
+        assert json.loads(tier.store.get_bytes(f"step-5/{CLAIM_NAME}"))["created"] == part.created  # now ours
+        assert tier.steps() == []  # n1's part is not in yet
