@@ -70,10 +70,7 @@ class BucketFlusher:
         for name, spec in config.buckets.items():
             flush = spec.flush
             store = ObjectStore(
-                name,
-                spec.url,
-                endpoint_url=spec.endpoint_url,
-                region=spec.region,
+                name, spec.url, endpoint_url=spec.endpoint_url, region=spec.region,
                 retries=flush.retries if flush is not None else 5,
             )
             store.check()
