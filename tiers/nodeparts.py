@@ -95,14 +95,21 @@ def join_parts(step: int, parts: list[Manifest]) -> Manifest:
     return whole
 
 
+def part_of_marker(data: bytes, name: str, step: int, where: str) -> Manifest:
+    """The node part that marker ``name`` (read from ``where``) holds; ManifestError if it is not the part of
+    step ``step`` of the node the name says."""
+    part = parse_manifest(data, where)
+    if part.node_part is None or part.step != step or name != part_marker(part.node_part.node):
+        raise ManifestError(f"{where}: not a node part of step {step}")
+    return part
+
+
 def parts_present(partial: Path, step: int) -> tuple[list[Manifest], list[str]]:
     """The node parts whose markers are in ``partial``, and the nodes whose markers are not yet."""
     parts: list[Manifest] = []
     for marker in sorted(partial.glob(f"{PART_MARKER_PREFIX}*{PART_MARKER_SUFFIX}")):
-        part = parse_manifest(read_bytes(marker), str(marker))  # never through a planted symlink or FIFO
-        if part.node_part is None or part.step != step or marker.name != part_marker(part.node_part.node):
-            raise ManifestError(f"{marker}: not a node part of step {step}")
-        parts.append(part)
+        # read_bytes: never through a planted symlink or FIFO
+        parts.append(part_of_marker(read_bytes(marker), marker.name, step, str(marker)))
     if not parts:
         return [], ["(every node)"]
     nodes = parts[0].node_part.nodes if parts[0].node_part else []

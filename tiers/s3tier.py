@@ -35,7 +35,7 @@ from .filesystem import CheckpointExistsError, FilesystemTier, TierError
 from .format import manifest_bytes, parse_manifest
 from .integrity import verify_directory
 from .manifest import MANIFEST_NAME, Manifest
-from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker
+from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker, part_of_marker
 from .objstore import ObjectMissingError, ObjectStore, Progress
 from .reader import CorruptCheckpointError
 from .s3claim import CLAIM_NAME, claim_step, release_step
@@ -193,11 +193,12 @@ class S3Tier:
         nodes publishing together put the same manifest, and the one that loses the conditional put finds
         it there."""
         prefix = self.step_prefix(step)
-        markers = {o.name for o in self.store.list(prefix + PART_MARKER_PREFIX)}
-        if any(prefix + part_marker(node) not in markers for node in nodes):
+        markers = [part_marker(node) for node in nodes]
+        listed = {o.name for o in self.store.list(prefix + PART_MARKER_PREFIX)}
+        if any(prefix + marker not in listed for marker in markers):
             return
-        names = [prefix + part_marker(node) for node in nodes]
-        whole = join_parts(step, [parse_manifest(self.store.get_bytes(n), self.store.where(n)) for n in names])
+        read = [(marker, self.store.get_bytes(prefix + marker)) for marker in markers]
+        whole = join_parts(step, [part_of_marker(data, m, step, self.store.where(prefix + m)) for m, data in read])
         try:
             self.publish(whole)
         except CheckpointExistsError:
