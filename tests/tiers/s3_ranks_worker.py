@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,6 +54,9 @@ def _flush_runner(workdir: Path, endpoint: str, url: str, scope: str) -> Runner:
     return Runner.from_dict({"chunk_size": "1MiB", "tiers": {"nvme": nvme, "bucket": bucket}})
 
 
+MakeRunner = Callable[[Path, str, str, str], Runner]
+
+
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))
@@ -80,9 +84,12 @@ def restore(workdir: Path, endpoint: str, url: str) -> dict:
             "source": result.source, "problems": list(result.problems), "same": same}  # fmt: skip
 
 
-def persist(workdir: Path, endpoint: str, url: str, scope: str, steps: tuple[int, ...] = (1, 2)) -> dict:
+def persist(
+    workdir: Path, endpoint: str, url: str, scope: str, make: MakeRunner = _persist_runner,
+    steps: tuple[int, ...] = (1, 2),
+) -> dict:
     model = _model(0)
-    runner = (_persist_runner if steps == (1, 2) else _flush_runner)(workdir, endpoint, url, scope)
+    runner = make(workdir, endpoint, url, scope)
     runner.register(model=ModuleProvider(model, replicated=False))
     outcomes = {}
     for step in steps:
@@ -96,12 +103,12 @@ def persist(workdir: Path, endpoint: str, url: str, scope: str, steps: tuple[int
 
 
 def flush(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
-    return persist(workdir, endpoint, url, scope, steps=(1, 2, 3))
+    return persist(workdir, endpoint, url, scope, make=_flush_runner, steps=(1, 2, 3))
 
 
-def restore_persisted(workdir: Path, endpoint: str, url: str, scope: str, flushed: bool = False) -> dict:
+def restore_persisted(workdir: Path, endpoint: str, url: str, scope: str, make: MakeRunner = _persist_runner) -> dict:
     model = _model(1)
-    runner = (_flush_runner if flushed else _persist_runner)(workdir, endpoint, url, scope)
+    runner = make(workdir, endpoint, url, scope)
     runner.register(model=ModuleProvider(model, replicated=False))
     result = runner.restore("latest")
     runner.close()
@@ -111,7 +118,7 @@ def restore_persisted(workdir: Path, endpoint: str, url: str, scope: str, flushe
 
 
 def restore_flushed(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
-    return restore_persisted(workdir, endpoint, url, scope, flushed=True)
+    return restore_persisted(workdir, endpoint, url, scope, make=_flush_runner)
 
 
 def again(workdir: Path, endpoint: str, url: str, scope: str) -> dict:
