@@ -5,12 +5,25 @@ active exception", also with no tierstate code at all), after every scenario has
 results. So each worker marks its end (:func:`mark_finished`, after its last scenario, before tearing
 the process group down), and a launch whose exit code is that abort still passes when every rank
 marked it; any other failure fails the test with the workers' output.
+
+Launches that run side by side (:func:`run_side_by_side`: two ``torchrun --nnodes=2`` launches, or plain
+rank processes) are judged the same way, with one more consequence of that abort: a torchrun agent whose
+worker succeeded waits in torch's exit barrier (300 s) for every other agent, and an agent whose worker
+failed never arrives there. So once a launch has ended in failure, each other launch is stopped as soon
+as its worker has recorded its results, and judged by them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 TEARDOWN_ABORT = "terminate called without an active exception"
@@ -39,3 +52,84 @@ def torchrun(worker: Path, workdir: Path, ranks: int, scenarios: tuple[str, ...]
         return
     finished = all(_marker(workdir, rank).exists() for rank in range(ranks))
     assert finished and TEARDOWN_ABORT in done.stdout + done.stderr, f"torchrun {' '.join(scenarios)} failed:\n{output}"
+
+
+@dataclass
+class Ended:
+    """How one launch of :func:`run_side_by_side` ended."""
+
+    returncode: int | None  # None: stopped after it recorded its results (see the module docstring)
+    output: str  # stdout and stderr, interleaved
+    recorded: bool  # its output has the worker's line saying its results are recorded
+
+    @property
+    def succeeded(self) -> bool:
+        """It recorded its results and ended well, at torch's teardown abort, or stopped in the exit barrier."""
+        return self.recorded and (self.returncode in (0, None) or TEARDOWN_ABORT in self.output)
+
+
+class _Launch:
+    """One process of a side-by-side run (a session of its own, so that its workers are stopped with it),
+    its output read by a thread as it comes."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path | None, marker: str, ended: queue.Queue):
+        self.proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.recorded = threading.Event()
+        self.stopped = False
+        self._reader = threading.Thread(target=self._read, args=(marker, ended), daemon=True)
+        self._reader.start()
+
+    def _read(self, marker: str, ended: queue.Queue) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if marker in line:
+                self.recorded.set()
+        self.proc.wait()
+        ended.put(self)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.stopped = True
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def result(self) -> Ended:
+        self._reader.join()
+        return Ended(None if self.stopped else self.proc.returncode, "".join(self.lines), self.recorded.is_set())
+
+
+def run_side_by_side(
+    commands: list[tuple[list[str], dict[str, str]]],
+    marker: str,
+    timeout: float,
+    cwd: Path | None = None,
+    agents: bool = False,
+) -> list[Ended]:
+    """Run ``(command, environment)`` pairs at once until all end; ``marker``: the line a worker prints once
+    its results are recorded; ``agents``: the commands are torchrun agents, which wait for each other in
+    torch's exit barrier. Past ``timeout`` every launch is stopped and the test fails with all outputs."""
+    ended: queue.Queue[_Launch] = queue.Queue()
+    launches = [_Launch(command, env, cwd, marker, ended) for command, env in commands]
+    end = time.monotonic() + timeout
+    for _ in launches:
+        try:
+            first = ended.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+            break
+        if agents and first.proc.returncode != 0:  # the others would wait for it in the exit barrier
+            for other in launches:
+                if other.proc.poll() is None and other.recorded.wait(max(0.0, end - time.monotonic())):
+                    other.stop()
+    late = [i for i, launch in enumerate(launches) if launch.proc.poll() is None]
+    for launch in launches:
+        launch.stop()
+    results = [launch.result() for launch in launches]
+    if late:
+        outputs = "\n".join(f"--- launch {i}:\n{r.output[-6000:]}" for i, r in enumerate(results))
+        raise AssertionError(f"launch(es) {late} still running after {timeout:.0f} s:\n{outputs}")
+    return results

@@ -14,16 +14,14 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from conftest import REPO
-from launch import TEARDOWN_ABORT
+from launch import run_side_by_side
 from tierstate import cli
 from tierstate.tiers.faults import ENV as FAULT_ENV
 from tierstate.tiers.filesystem import FilesystemTier
@@ -31,6 +29,7 @@ from tierstate.tiers.migrate import migrate
 from tierstate.tiers.peers import kept_for, returned_from
 from tierstate.tiers.verify import verify_step
 
+Launched = tuple[list[str], dict[str, str]]  # a command and its environment
 WORKER = REPO / "tests" / "nodes_worker.py"
 LAUNCH_TIMEOUT_S = 120
 
@@ -46,46 +45,37 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(workdir: Path, scenario: str, port: int, node: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+def launch(workdir: Path, scenario: str, port: int, node: int, env: dict[str, str] | None = None) -> Launched:
+    """The torchrun command of ``node`` running ``scenario``, and its environment."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
         "--master_addr=127.0.0.1", f"--master_port={port}", str(WORKER), str(workdir), scenario,
     ]  # fmt: skip
-    environment = {**os.environ, "TIERSTATE_NODE": f"n{node}", **(env or {})}
-    return subprocess.Popen(
-        command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    return command, {**os.environ, "TIERSTATE_NODE": f"n{node}", **(env or {})}
 
 
 def two_ranks(workdir: Path, *scenarios: str, killed: bool = False) -> None:
     """Both "nodes" run ``scenarios`` as plain processes (rank and world from the environment, no
     torchrun agent: quicker to start), and succeed (or, ``killed``, SIGKILL themselves at the end)."""
     port = free_port()
-    procs = []
+    ranks = []
     for rank in (0, 1):
         env = {**os.environ, "TIERSTATE_NODE": f"n{rank}", "RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        command = [sys.executable, str(WORKER), str(workdir), *scenarios]
-        procs.append(
-            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    for rank, proc in enumerate(procs):
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-        ended = f"NODES-DONE {scenarios[-1]}" in out  # what it recorded is complete
-        expected = -signal.SIGKILL if killed else 0
-        torn_down = proc.returncode == -signal.SIGABRT and TEARDOWN_ABORT in out  # torch's gloo teardown abort
-        assert ended and (proc.returncode == expected or torn_down), f"rank {rank}, {scenarios}:\n{out[-6000:]}"
+        ranks.append(([sys.executable, str(WORKER), str(workdir), *scenarios], env))
+    ended = run_side_by_side(ranks, f"NODES-DONE {scenarios[-1]}", LAUNCH_TIMEOUT_S, REPO)
+    for rank, end in enumerate(ended):
+        well = (end.recorded and end.returncode == -signal.SIGKILL) if killed else end.succeeded
+        assert well, f"rank {rank}, {scenarios}:\n{end.output[-6000:]}"
 
 
 def two_nodes(workdir: Path, scenario: str) -> None:
     """Both nodes run ``scenario`` to the end and succeed."""
     port = free_port()
     nodes = [launch(workdir, scenario, port, node) for node in (0, 1)]
-    for node, proc in enumerate(nodes):
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-        torn_down = f"NODES-DONE {scenario}" in out and TEARDOWN_ABORT in out  # torch's gloo teardown abort
-        assert proc.returncode == 0 or torn_down, f"node n{node}, {scenario}:\n{out[-6000:]}"
+    ended = run_side_by_side(nodes, f"NODES-DONE {scenario}", LAUNCH_TIMEOUT_S, REPO, agents=True)
+    for node, end in enumerate(ended):
+        assert end.succeeded, f"node n{node}, {scenario}:\n{end.output[-6000:]}"
 
 
 def facts(workdir: Path, scenario: str, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
@@ -171,21 +161,9 @@ def test_a_node_killed_during_its_flush_leaves_no_global_checkpoint_until_its_pa
     port = free_port()
     survivor = launch(tmp_path, "train-last", port, 0)
     killed = launch(tmp_path, "train-last", port, 1, {FAULT_ENV: "migrate.frame@1"})  # SIGKILL in its first flush
-    guard = threading.Timer(LAUNCH_TIMEOUT_S, lambda: [os.killpg(p.pid, signal.SIGKILL) for p in (survivor, killed)])
-    guard.start()
-    try:
-        out, _ = killed.communicate()
-        assert killed.returncode != 0, out[-3000:]
-        seen = []
-        for line in survivor.stdout or []:  # until n0 recorded its facts; its agent then waits for n1's
-            seen.append(line)
-            if line.startswith("NODES-DONE"):
-                break
-        assert seen and seen[-1].startswith("NODES-DONE"), "".join(seen)[-6000:]
-    finally:
-        guard.cancel()
-        os.killpg(survivor.pid, signal.SIGKILL)
-        survivor.communicate()
+    ran, died = run_side_by_side([survivor, killed], "NODES-DONE", LAUNCH_TIMEOUT_S, REPO, agents=True)
+    assert died.returncode != 0, died.output[-3000:]
+    assert ran.recorded, ran.output[-6000:]  # then its agent waited for n1's in the exit barrier, and was stopped
     pfs = FilesystemTier("pfs", tmp_path / "pfs")
     assert pfs.steps() == []  # n0's part of step 8 is there, n1's is not: no global checkpoint
     assert (pfs.partial_dir(8) / "node-n0.part").is_file()

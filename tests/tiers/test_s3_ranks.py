@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ pytest.importorskip("moto.server")
 import s3server
 
 from conftest import REPO
-from launch import TEARDOWN_ABORT
+from launch import run_side_by_side
 from tierstate.tiers import faults
 from tierstate.tiers.bucketcmds import verify_bucket_step
 from tierstate.tiers.filesystem import FilesystemTier
@@ -48,7 +47,7 @@ def _two_ranks(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = []
+    launches = []
     for rank in (0, 1):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYTHONPATH": str(REPO / "tests")}  # fmt: skip
@@ -59,15 +58,12 @@ def _two_ranks(
             env["TIERSTATE_NODE"] = f"n{rank}"
             command[1:1] = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
                             "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for rank, proc in enumerate(procs):
-        out, _ = proc.communicate(timeout=180)
+        launches.append((command, env))
+    for rank, end in enumerate(run_side_by_side(launches, "S3-RANKS-DONE", 180, agents=nodes)):
         if rank == killed:
-            assert proc.returncode == -signal.SIGKILL, f"rank {rank}, {scenario}, not killed:\n{out[-6000:]}"
+            assert end.returncode == -signal.SIGKILL, f"rank {rank}, {scenario}, not killed:\n{end.output[-6000:]}"
             continue
-        torn_down = proc.returncode == -signal.SIGABRT and TEARDOWN_ABORT in out  # torch's gloo teardown abort
-        ended = "S3-RANKS-DONE" in out and (proc.returncode == 0 or torn_down)
-        assert ended, f"rank {rank}, {scenario}:\n{out[-6000:]}"
+        assert end.succeeded, f"rank {rank}, {scenario}:\n{end.output[-6000:]}"
     return [json.loads((workdir / scenario / f"rank-{r}.json").read_text()) for r in (0, 1) if r != killed]
 
 
