@@ -298,7 +298,7 @@ def _persist_through_staging(data: dict[str, Any], buckets: Mapping[str, Any]) -
         bucket = buckets.get(named) if isinstance(named, str) else None
         if isinstance(bucket, Mapping) and bucket.get("staging"):
             staging = f"{named}-staging"
-            scope = bucket.get("staging_scope", "shared")
+            scope = bucket.get("staging_scope", S3TierConfig.model_fields["staging_scope"].default)
             tier = {"path": bucket["staging"], "scope": scope, "retention": {"keep_last": 1}}
             tiers = {staging: tier, **data["tiers"]}
             stages = {**stages, name: {**stage, "tier": staging}}
