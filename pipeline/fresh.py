@@ -11,12 +11,13 @@ Collective with many ranks: every rank decides alike from what all of them see.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable, Sequence
 
 from tierstate.errors import TierstateError
 
-from ..tiers.filesystem import FilesystemTier
+from ..tiers.filesystem import FilesystemTier, TierError
 from ..tiers.s3tier import S3Tier
 from ..tiers.setaside import SET_ASIDE_PREFIX, holdings, set_aside
 from .distributed import CheckpointGroup
@@ -57,6 +58,7 @@ def start_fresh(
     run's copies, which are then set aside with the rest). ``aside``: rename the old checkpoints
     aside instead of refusing. A bucket holding checkpoints refuses either way (an object store has
     no rename), before anything is set aside: its old steps would otherwise be what ``latest`` finds.
+    A bucket that cannot be listed fails it with a :class:`TierError` naming the bucket.
     """
     settle()
     seen = _held(tiers)
@@ -66,8 +68,12 @@ def start_fresh(
         seen = {name: steps for each, _b, _u in said for name, steps in each.items()}
         in_buckets = {name: steps for _s, each, _u in said for name, steps in each.items()}
         unlisted = [text for _s, _b, each in said for text in each]
-    if unlisted:
-        raise ExistingCheckpointsError(f"a fresh start, but a bucket could not be listed: {'; '.join(unlisted)}")
+    if unlisted:  # whether it holds an old run is unknown: not refused for holding one, failed for the bucket
+        raise TierError(
+            errno.EIO,
+            f"a fresh start cannot tell whether a bucket holds an earlier run's checkpoints, it could not be "
+            f"listed: {'; '.join(unlisted)}; fix access to it (endpoint, credentials, bucket) and start again",
+        )
     if not seen and not in_buckets:
         return {}
     listed = "; ".join(f"{name}: steps {steps}" for name, steps in sorted({**seen, **in_buckets}.items()))

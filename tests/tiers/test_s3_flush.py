@@ -94,6 +94,19 @@ def test_a_new_machine_sees_the_buckets_steps_and_a_fresh_start_over_them_is_ref
     again.close()
 
 
+def test_a_fresh_start_over_a_bucket_it_cannot_list_fails_naming_the_bucket(make_runner, endpoint, bucket):
+    """Whether the bucket holds an older run is unknown: not an ExistingCheckpointsError, a TierError on it."""
+    import boto3
+
+    url = f"s3://{bucket}/unlisted"
+    runner = make_runner(**_bucket_tier(endpoint, url, retries=0))
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").delete_bucket(Bucket=bucket)
+    with pytest.raises(TierError, match=rf"cannot tell whether .* tier bucket \(s3://{bucket}/unlisted\): ") as said:
+        runner.start_fresh()
+    assert not isinstance(said.value, ExistingCheckpointsError)
+    runner.close()
+
+
 def test_runner_construction_names_a_missing_bucket(make_runner, endpoint):
     with pytest.raises(TierError, match="tier bucket: bucket 'not-there-at-all' does not exist"):
         make_runner(**_bucket_tier(endpoint, "s3://not-there-at-all/x"))
