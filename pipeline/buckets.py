@@ -58,6 +58,18 @@ class _Bucket:
     pool: ThreadPoolExecutor | None
 
 
+def open_buckets(config: PipelineConfig) -> list[S3Tier]:
+    """The buckets of ``config`` (its ``kind: s3`` tiers), each checked now (credentials, the bucket's
+    existence), so that a failure names the tier where they are opened, not at their first use."""
+    tiers = []
+    for name, spec in config.buckets.items():
+        retries = spec.flush.retries if spec.flush is not None else 5
+        store = ObjectStore(name, spec.url, endpoint_url=spec.endpoint_url, region=spec.region, retries=retries)
+        store.check()
+        tiers.append(S3Tier(name, store))
+    return tiers
+
+
 class BucketFlusher:
     """The buckets of one runner; ``active``: this process is the one that uploads (see the module)."""
 
@@ -67,16 +79,12 @@ class BucketFlusher:
         self._buckets: list[_Bucket] = []
         self._pending: list[Future[None]] = []
         self._failures: list[FlushFailure] = []
-        for name, spec in config.buckets.items():
+        for tier in open_buckets(config):
+            spec = config.buckets[tier.name]
             flush = spec.flush
-            store = ObjectStore(
-                name, spec.url, endpoint_url=spec.endpoint_url, region=spec.region,
-                retries=flush.retries if flush is not None else 5,
-            )
-            store.check()
-            pool = ThreadPoolExecutor(flush.workers, thread_name_prefix=f"tierstate-s3-{name}") if flush else None
+            pool = ThreadPoolExecutor(flush.workers, thread_name_prefix=f"tierstate-s3-{tier.name}") if flush else None
             pacer = Pacer(int(flush.bandwidth)) if flush is not None and flush.bandwidth is not None else None
-            self._buckets.append(_Bucket(S3Tier(name, store), flush, spec.retention, pacer, pool))
+            self._buckets.append(_Bucket(tier, flush, spec.retention, pacer, pool))
 
     @property
     def tiers(self) -> list[S3Tier]:

@@ -84,6 +84,9 @@ class BucketSource:
     def __repr__(self) -> str:
         return f"BucketSource({self.where})"
 
+    def __str__(self) -> str:  # in messages, as a directory's path is
+        return self.where
+
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:
             cut = len(self.prefix)

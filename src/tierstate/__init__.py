@@ -17,6 +17,7 @@ from tierstate._version import __version__
 from tierstate.errors import TierstateError
 
 if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interpreter the same
+    from tierstate.pipeline.buckets import open_buckets
     from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config, parse_config
     from tierstate.pipeline.distributed import CheckpointAborted
     from tierstate.pipeline.fresh import ExistingCheckpointsError
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
 
 # Where the public names live: imported from there on first use.
 _HOMES = {
+    "tierstate.pipeline.buckets": ("open_buckets",),
     "tierstate.pipeline.config": ("ConfigError", "PipelineConfig", "load_config", "parse_config"),
     "tierstate.pipeline.distributed": ("CheckpointAborted",),
     "tierstate.pipeline.fresh": ("ExistingCheckpointsError",),
@@ -178,6 +180,7 @@ __all__ = [
     "load",
     "load_config",
     "materialize",
+    "open_buckets",
     "parse_config",
     "read_manifest",
     "storage_of",

@@ -60,6 +60,7 @@ from tierstate import (
     TierstateError,
     layout,
     load_config,
+    open_buckets,
     parse_config,
     storage_of,
 )
@@ -300,8 +301,9 @@ class _TierstateIO:
 
     # --- loading --------------------------------------------------------------------------------
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
-        """The checkpoint dict the pointer at ``path`` names, read from the fastest tier with a verified copy;
-        a file that is no pointer is loaded as ``TorchCheckpointIO`` loads it."""
+        """The checkpoint dict the pointer at ``path`` names, read from the fastest tier with a verified copy,
+        the config's buckets last (a new machine's tiers are empty: only then are they opened); a file that
+        is no pointer is loaded as ``TorchCheckpointIO`` loads it."""
         self.wait()
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -315,9 +317,14 @@ class _TierstateIO:
         tiers = [FilesystemTier(name, tier.path) for name, tier in self.config.tiers.items()]
         allow_pickle = self.config.policies.allow_pickle
         problems: list[str] = []
-        found = read_first_clean(tiers, step, lambda stored: stored.read(allow_pickle=allow_pickle), problems)
+        read = lambda stored: stored.read(allow_pickle=allow_pickle)  # noqa: E731
+        found = read_first_clean(tiers, step, read, problems)
+        if found is None and self.config.buckets:  # a new machine: the run's steps are in a bucket only
+            buckets = open_buckets(self.config)
+            found = read_first_clean(buckets, step, read, problems)
+            tiers += buckets
         if found is None:
-            where = ", ".join(f"{t.name}={t.root}" for t in tiers)
+            where = ", ".join(f"{t.name}={t.location(step)}" for t in tiers)
             held = f"no copy reads clean: {'; '.join(problems)}" if problems else f"which no tier holds ({where})"
             raise LightningCheckpointError(f"{path} names tierstate step {step}, {held}")
         for problem in problems:
