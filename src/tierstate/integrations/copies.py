@@ -8,7 +8,7 @@ copy tried, as a runner's restore does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from ..tiers.stored import Location, StoredCheckpoint
@@ -31,13 +31,18 @@ TierT = TypeVar("TierT", bound=Tier)
 
 
 def read_first_clean(
-    tiers: Sequence[TierT], step: int, read: Callable[[StoredCheckpoint], T], problems: list[str]
+    tiers: Sequence[TierT],
+    step: int,
+    read: Callable[[StoredCheckpoint], T],
+    problems: list[str],
+    listed: Mapping[str, Collection[int]] | None = None,
 ) -> tuple[TierT, T] | None:
     """The first of ``tiers`` (in order: the buckets last) holding ``step`` whose copy ``read`` reads
     without a copy error, with what it read; None if none does. Each copy passed over is added to
-    ``problems``, named."""
+    ``problems``, named. ``listed``: each tier's steps by name, as the caller listed them (a bucket's
+    listing is a request: a caller trying step after step lists once), else each tier is listed here."""
     for tier in tiers:
-        if step not in tier.steps():
+        if step not in (listed[tier.name] if listed is not None else tier.steps()):
             continue
         try:
             with StoredCheckpoint.locked(tier.location(step), step) as checkpoint:

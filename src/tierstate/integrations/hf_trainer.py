@@ -330,10 +330,12 @@ def _newest_trainer_state(runner: Runner) -> tuple[int, str, str] | None:
     """The newest step on the runner's tiers whose Trainer state reads clean, that state's JSON text, and
     where it was read (tier and directory)."""
     tiers = [*runner.tiers, *runner.buckets]  # a bucket's copy too: a new machine's tiers are empty
-    steps = sorted({step for tier in tiers for step in tier.steps()}, reverse=True)
+    listed = {tier.name: tier.steps() for tier in tiers}
+    steps = sorted({step for held in listed.values() for step in held}, reverse=True)
     problems: list[str] = []
     for step in steps:  # a damaged copy: the next tier's, or an older step
-        found = read_first_clean(tiers, step, lambda stored: (_trainer_state_text(stored), stored.where), problems)
+        read = lambda stored: (_trainer_state_text(stored), stored.where)  # noqa: E731
+        found = read_first_clean(tiers, step, read, problems, listed)
         if found is not None:
             tier, (text, where) = found
             return step, text, f"tier {tier.name}, {where}"
