@@ -248,31 +248,13 @@ def test_load_from_checkpoint_on_a_pointer_says_what_to_do_and_the_helper_loads_
     (weights-only or not) with an error that says what to do instead of torch's advice to retry with
     ``weights_only=False``; ``tierstate.integrations.lightning.load_from_checkpoint`` loads it
     (hyperparameters and weights)."""
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
+    from lightning_sized import Sized, sized_data, sized_trainer
 
-    from tierstate.integrations.lightning import LOAD_HINT, TierstateCheckpointIO, load_from_checkpoint
-
-    class Sized(L.LightningModule):
-        def __init__(self, width: int = 3) -> None:
-            super().__init__()
-            self.save_hyperparameters()
-            self.net = torch.nn.Linear(4, width)
-
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _index: int) -> torch.Tensor:
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    from tierstate.integrations.lightning import LOAD_HINT, load_from_checkpoint
 
     config = {"tiers": {"nvme": {"path": str(tmp_path / "tiers")}}}
-    trainer = L.Trainer(
-        max_epochs=1, plugins=[TierstateCheckpointIO(config)], logger=False, enable_progress_bar=False,
-        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
-        enable_model_summary=False, accelerator="cpu",
-    )  # fmt: skip
     trained = Sized(width=5)
-    trainer.fit(trained, DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+    sized_trainer(config, tmp_path / "ckpt", 1).fit(trained, sized_data())
     last = tmp_path / "ckpt" / "last.ckpt"
     assert _pointer(last)["load"] == LOAD_HINT
     assert "this file is a pointer to a tierstate checkpoint" in last.read_text()  # a text file: cat shows it
