@@ -68,6 +68,15 @@ class Ended:
         return self.recorded and (self.returncode in (0, None) or TEARDOWN_ABORT in self.output)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, children first (Linux's /proc children lists; gone ones skipped)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return [grand for child in found for grand in (child, *_descendants(child))]
+
+
 class _Launch:
     """One process of a side-by-side run (a session of its own, so that its workers are stopped with it),
     its output read by a thread as it comes."""
@@ -93,10 +102,13 @@ class _Launch:
         ended.put(self)
 
     def stop(self) -> None:
+        """SIGKILL the launch and every process under it (torchrun starts each worker in a session of its
+        own: killing the agent's group alone would leave a hung worker running into later tests)."""
         if self.proc.poll() is None:
             self.stopped = True
-            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.kill(pid, signal.SIGKILL)
 
     def result(self) -> Ended:
         self._reader.join()
