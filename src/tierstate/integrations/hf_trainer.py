@@ -333,8 +333,11 @@ def _newest_trainer_state(runner: Runner) -> tuple[int, str, str] | None:
     listed = {tier.name: tier.steps() for tier in tiers}
     steps = sorted({step for held in listed.values() for step in held}, reverse=True)
     problems: list[str] = []
+
+    def read(stored: StoredCheckpoint) -> tuple[str, str]:
+        return _trainer_state_text(stored), stored.where
+
     for step in steps:  # a damaged copy: the next tier's, or an older step
-        read = lambda stored: (_trainer_state_text(stored), stored.where)  # noqa: E731
         found = read_first_clean(tiers, step, read, problems, listed)
         if found is not None:
             tier, (text, where) = found

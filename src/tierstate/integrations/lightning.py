@@ -70,6 +70,8 @@ from .copies import read_first_clean
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
 
+    from ..tiers.stored import StoredCheckpoint
+
 log = logging.getLogger("tierstate")
 
 POINTER_KIND = "tierstate lightning checkpoint"
@@ -317,7 +319,10 @@ class _TierstateIO:
         tiers = [FilesystemTier(name, tier.path) for name, tier in self.config.tiers.items()]
         allow_pickle = self.config.policies.allow_pickle
         problems: list[str] = []
-        read = lambda stored: stored.read(allow_pickle=allow_pickle)  # noqa: E731
+
+        def read(stored: StoredCheckpoint) -> dict[str, Any]:
+            return stored.read(allow_pickle=allow_pickle)
+
         found = read_first_clean(tiers, step, read, problems)
         if found is None and self.config.buckets:  # a new machine: the run's steps are in a bucket only
             buckets = open_buckets(self.config)
