@@ -10,7 +10,8 @@ Launches that run side by side (:func:`run_side_by_side`: two ``torchrun --nnode
 rank processes) are judged the same way, with one more consequence of that abort: a torchrun agent whose
 worker succeeded waits in torch's exit barrier (300 s) for every other agent, and an agent whose worker
 failed never arrives there. So once a launch has ended in failure, each other launch is stopped as soon
-as its worker has recorded its results, and judged by them.
+as its worker has recorded its results, and judged by them. A launch still running at its timeout is
+killed with every process under it (a hung worker too) and the test fails with every launch's output.
 """
 
 from __future__ import annotations
@@ -46,12 +47,11 @@ def torchrun(worker: Path, workdir: Path, ranks: int, scenarios: tuple[str, ...]
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
         str(worker), str(workdir), *scenarios,
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = f"{done.stdout[-3000:]}{done.stderr[-6000:]}"
+    (done,) = run_side_by_side([(command, dict(os.environ))], None, timeout, cwd)  # a hung worker: killed too
     if done.returncode == 0:
         return
     finished = all(_marker(workdir, rank).exists() for rank in range(ranks))
-    assert finished and TEARDOWN_ABORT in done.stdout + done.stderr, f"torchrun {' '.join(scenarios)} failed:\n{output}"
+    assert finished and TEARDOWN_ABORT in done.output, f"torchrun {' '.join(scenarios)} failed:\n{done.output[-9000:]}"
 
 
 @dataclass
@@ -81,7 +81,9 @@ class _Launch:
     """One process of a side-by-side run (a session of its own, so that its workers are stopped with it),
     its output read by a thread as it comes."""
 
-    def __init__(self, command: list[str], env: dict[str, str], cwd: Path | None, marker: str, ended: queue.Queue):
+    def __init__(
+        self, command: list[str], env: dict[str, str], cwd: Path | None, marker: str | None, ended: queue.Queue
+    ) -> None:
         self.proc = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
@@ -92,11 +94,11 @@ class _Launch:
         self._reader = threading.Thread(target=self._read, args=(marker, ended), daemon=True)
         self._reader.start()
 
-    def _read(self, marker: str, ended: queue.Queue) -> None:
+    def _read(self, marker: str | None, ended: queue.Queue) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            if marker in line:
+            if marker is not None and marker in line:
                 self.recorded.set()
         self.proc.wait()
         ended.put(self)
@@ -117,14 +119,15 @@ class _Launch:
 
 def run_side_by_side(
     commands: list[tuple[list[str], dict[str, str]]],
-    marker: str,
+    marker: str | None,
     timeout: float,
     cwd: Path | None = None,
     agents: bool = False,
 ) -> list[Ended]:
     """Run ``(command, environment)`` pairs at once until all end; ``marker``: the line a worker prints once
-    its results are recorded; ``agents``: the commands are torchrun agents, which wait for each other in
-    torch's exit barrier. Past ``timeout`` every launch is stopped and the test fails with all outputs."""
+    its results are recorded (None: the workers mark that otherwise, see :func:`mark_finished`);
+    ``agents``: the commands are torchrun agents, which wait for each other in torch's exit barrier.
+    Past ``timeout`` every launch is stopped and the test fails with all outputs."""
     ended: queue.Queue[_Launch] = queue.Queue()
     launches = [_Launch(command, env, cwd, marker, ended) for command, env in commands]
     end = time.monotonic() + timeout
