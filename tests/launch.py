@@ -40,14 +40,17 @@ def mark_finished(workdir: Path, rank: int) -> None:
 
 
 def torchrun(worker: Path, workdir: Path, ranks: int, scenarios: tuple[str, ...], cwd: Path, timeout: float) -> None:
-    """Run ``worker WORKDIR SCENARIOS...`` on ``ranks`` ranks (``--standalone``: a free port of its own)."""
+    """Run ``worker WORKDIR SCENARIOS...`` on ``ranks`` ranks (``--standalone``: a free port of its own),
+    with this folder on the workers' ``PYTHONPATH`` (a worker in a subfolder imports :func:`mark_finished`)."""
     for rank in range(ranks):
         _marker(workdir, rank).unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
         str(worker), str(workdir), *scenarios,
     ]  # fmt: skip
-    (done,) = run_side_by_side([(command, dict(os.environ))], None, timeout, cwd)  # a hung worker: killed too
+    helpers = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])  # this module too
+    env = {**os.environ, "PYTHONPATH": helpers}
+    (done,) = run_side_by_side([(command, env)], None, timeout, cwd)  # a hung worker: killed too
     if done.returncode == 0:
         return
     finished = all(_marker(workdir, rank).exists() for rank in range(ranks))

@@ -1,15 +1,16 @@
 """Two ranks under torchrun save one tierstate checkpoint for tests/integrations/test_dcp.py (gloo, CPU).
 
-Usage: ``torchrun --standalone --nproc_per_node=2 dcp_worker.py TIERS DCP_DIR``. A replicated model and
-optimizer (the same on both ranks, from fixed seeds) and a row-sharded tensor ``shards/w`` (rank 0 rows
-0-3, rank 1 rows 4-6), committed as step 1; then the same state saved by ``dcp.save`` into DCP_DIR, the
-tensor as a DTensor sharded by rows (as FSDP2 / TorchTitan save). The test rebuilds the values from
-:func:`expected`.
+Usage: ``torchrun --standalone --nproc_per_node=2 dcp_worker.py WORKDIR`` (tests/launch.py's torchrun).
+A replicated model and optimizer (the same on both ranks, from fixed seeds) and a row-sharded tensor
+``shards/w`` (rank 0 rows 0-3, rank 1 rows 4-6), committed as step 1 on the tier ``WORKDIR/nvme``; then
+the same state saved by ``dcp.save`` into ``WORKDIR/titan``, the tensor as a DTensor sharded by rows (as
+FSDP2 / TorchTitan save). The test rebuilds the values from :func:`expected`.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from launch import mark_finished
 from tierstate import ModuleProvider, OptimizerProvider, Runner, ShardInfo, TensorItem
 
 SHAPE = (7, 5)
@@ -50,10 +52,10 @@ class RowShard:
         self.tensor.copy_(state["w"])
 
 
-def main(tiers: str, dcp_dir: str) -> None:
+def main(workdir: Path) -> None:
     dist.init_process_group("gloo")
     model, optimizer, whole = expected()
-    runner = Runner.from_dict({"tiers": {"nvme": {"path": tiers}}})
+    runner = Runner.from_dict({"tiers": {"nvme": {"path": str(workdir / "nvme")}}})
     runner.register(
         model=ModuleProvider(model, replicated=True),
         optim=OptimizerProvider(optimizer, replicated=True),
@@ -65,9 +67,10 @@ def main(tiers: str, dcp_dir: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     sharded = distribute_tensor(whole, mesh, [Shard(0)])
     state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "shards": {"w": sharded}}
-    dcp.save(state, checkpoint_id=dcp_dir)
+    dcp.save(state, checkpoint_id=str(workdir / "titan"))
+    mark_finished(workdir, dist.get_rank())
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(Path(sys.argv[1]))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from launch import torchrun
 from tierstate import ObjectProvider, RNGProvider, Runner, StatefulProvider, TensorDictProvider
 from tierstate.cli import main
 
@@ -147,12 +147,8 @@ def test_objects_that_need_pickle_are_refused_unless_allowed(tmp_path: Path, cap
 @pytest.mark.slow
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 def test_two_rank_saves_both_ways_shards_as_dcp_chunks_and_dtensor_chunks_imported(tmp_path: Path) -> None:
-    tiers, titan = tmp_path / "nvme", tmp_path / "titan"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(HERE / "dcp_worker.py"), str(tiers), str(titan)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    tiers, titan = tmp_path / "nvme", tmp_path / "titan"  # where the worker writes
+    torchrun(HERE / "dcp_worker.py", tmp_path, 2, (), REPO, 180)
     out = tmp_path / "dcp"
     assert main(["export", "1", str(out), "--format", "dcp", "--tier", f"nvme={tiers}"]) == 0
 
