@@ -35,13 +35,14 @@ def _held_in(buckets: Sequence[S3Tier]) -> tuple[dict[str, list[int]], list[str]
     """The buckets' committed steps by tier, and why a bucket could not be listed."""
     held, unlisted = {}, []
     for bucket in buckets:
+        label = f"{bucket.name} ({bucket.store.where()})"
         try:
             steps = bucket.steps()
         except OSError as exc:
-            unlisted.append(f"tier {bucket.name} ({bucket.store.where()}): {exc}")
+            unlisted.append(f"tier {label}: {exc}")
             continue
         if steps:
-            held[f"{bucket.name} ({bucket.store.where()})"] = steps
+            held[label] = steps
     return held, unlisted
 
 

@@ -106,9 +106,7 @@ class BucketSource:
     def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
         end = offset + len(buffer)
         if end > self.size(name):
-            raise ShortReadError(
-                errno.EIO, f"{self.where}/{name}: ends at byte {self.size(name)}, short of {end}"
-            )
+            raise ShortReadError(errno.EIO, f"{self.where}/{name}: ends at byte {self.size(name)}, short of {end}")
         buffer[:] = self.store.get_range(self.prefix + name, offset, len(buffer))
 
     def read_small(self, name: str) -> bytes:
