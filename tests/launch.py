@@ -50,7 +50,7 @@ def torchrun(worker: Path, workdir: Path, ranks: int, scenarios: tuple[str, ...]
     ]  # fmt: skip
     helpers = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])  # this module too
     env = {**os.environ, "PYTHONPATH": helpers}
-    (done,) = run_side_by_side([(command, env)], None, timeout, cwd)  # a hung worker: killed too
+    (done,) = run_side_by_side([(command, env)], None, timeout, cwd, agents=True)  # a hung worker: killed too
     if done.returncode == 0:
         return
     finished = all(_marker(workdir, rank).exists() for rank in range(ranks))
@@ -64,11 +64,13 @@ class Ended:
     returncode: int | None  # None: stopped after it recorded its results (see the module docstring)
     output: str  # stdout and stderr, interleaved
     recorded: bool  # its output has the worker's line saying its results are recorded
+    agent: bool  # a torchrun agent: its worker's teardown abort makes it exit 1, a plain process dies by SIGABRT
 
     @property
     def succeeded(self) -> bool:
         """It recorded its results and ended well, at torch's teardown abort, or stopped in the exit barrier."""
-        return self.recorded and (self.returncode in (0, None) or TEARDOWN_ABORT in self.output)
+        aborted = self.returncode == (1 if self.agent else -signal.SIGABRT) and TEARDOWN_ABORT in self.output
+        return self.recorded and (self.returncode in (0, None) or aborted)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -115,9 +117,10 @@ class _Launch:
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.kill(pid, signal.SIGKILL)
 
-    def result(self) -> Ended:
+    def result(self, agent: bool) -> Ended:
         self._reader.join()
-        return Ended(None if self.stopped else self.proc.returncode, "".join(self.lines), self.recorded.is_set())
+        returncode = None if self.stopped else self.proc.returncode
+        return Ended(returncode, "".join(self.lines), self.recorded.is_set(), agent)
 
 
 def run_side_by_side(
@@ -146,7 +149,7 @@ def run_side_by_side(
     late = [i for i, launch in enumerate(launches) if launch.proc.poll() is None]
     for launch in launches:
         launch.stop()
-    results = [launch.result() for launch in launches]
+    results = [launch.result(agents) for launch in launches]
     if late:
         outputs = "\n".join(f"--- launch {i}:\n{r.output[-6000:]}" for i, r in enumerate(results))
         raise AssertionError(f"launch(es) {late} still running after {timeout:.0f} s:\n{outputs}")
