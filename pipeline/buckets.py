@@ -1,24 +1,16 @@
-"""The runner's ``kind: s3`` tiers: flushed to after each commit, read when no local tier holds a step.
+"""The runner's ``kind: s3`` tiers: opened and checked, published to as the persist tier, read on restore.
 
 Each bucket is built and checked when the runner is built (:meth:`ObjectStore.check`), so missing or
 refused credentials and a missing bucket fail there, naming the tier, and not at the first flush.
-After a checkpoint commits on the persist tier, every bucket whose ``flush`` policy selects the step
-gets it by :meth:`tiers.s3tier.S3Tier.upload` (verified in the source, data first, the manifest last
-with a conditional put), in a thread pool of its own (``flush.workers`` uploads at once, paced to
-``flush.bandwidth``), then the bucket's ``retention`` is applied to it. Like any flush, a failure
-never reaches the training loop: it is logged and reported by :meth:`BucketFlusher.drain`
-(``runner.close()`` puts it in ``flush_failures``). The source copy is read-locked from its commit
-until its upload ends, so local retention cannot delete it before or while it is uploaded.
+A bucket with a ``flush`` policy is a flush target like a directory (pipeline/flush.py, the rule in
+tiers/due.py): its copies, receipts, retries and reports are the flusher's.
 
 Restore: when a run starts on local tiers that lack the step asked for (a new machine, wiped NVMe),
-:meth:`BucketFlusher.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
-verified before the local commit); the restore then reads it there as any local copy. In a job of
-many ranks the leader of a shared persist tier flushes whole steps, and on a node-scoped persist
-tier each node's leader flushes its node's part, the last node publishing the global manifest
-(tiers/s3tier.py): no collective, so a flush never runs one beside the job's.
+:meth:`Buckets.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
+verified before the local commit); the restore then reads it there as any local copy.
 
 The persist bucket (``config.persist_bucket``: the persist stage names a bucket with ``staging``):
-the stage writes and commits each checkpoint in the staging directory, then :meth:`BucketFlusher.publish`
+the stage writes and commits each checkpoint in the staging directory, then :meth:`Buckets.publish`
 uploads it (verified, data first, the manifest last with the conditional put) before the runner
 reports it durable; so a checkpoint is durable exactly when its manifest is in the bucket, and of
 two runs writing one step there, one fails naming the step. With many ranks the publication is a
@@ -31,31 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
+from ..tiers.bucketcmds import BucketPolicies, prune_bucket
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.locks import reading
 from ..tiers.manifest import Manifest
 from ..tiers.nodeparts import files_of_ranks, join_parts
 from ..tiers.objstore import ObjectStore
-from ..tiers.pacing import Pacer
-from ..tiers.policy import FlushPolicy, RetentionPolicy
 from ..tiers.s3tier import S3Tier
 from .config import PipelineConfig
 from .distributed import CheckpointAborted, CheckpointGroup
-from .flush import FlushFailure
 
 log = logging.getLogger("tierstate.buckets")
-
-
-@dataclass
-class _Bucket:
-    tier: S3Tier
-    flush: FlushPolicy | None
-    retention: RetentionPolicy
-    pacer: Pacer | None
-    pool: ThreadPoolExecutor | None
 
 
 def open_buckets(config: PipelineConfig) -> list[S3Tier]:
@@ -70,43 +49,17 @@ def open_buckets(config: PipelineConfig) -> list[S3Tier]:
     return tiers
 
 
-class BucketFlusher:
-    """The buckets of one runner; ``active``: this process is the one that uploads (see the module)."""
+class Buckets:
+    """The buckets of one runner: the persist bucket's publication and the copies fetched on restore."""
 
-    def __init__(self, config: PipelineConfig, active: bool) -> None:
-        self._active = active
+    def __init__(self, config: PipelineConfig) -> None:
         self._persist = config.persist_bucket
-        self._buckets: list[_Bucket] = []
-        self._pending: list[Future[None]] = []
-        self._failures: list[FlushFailure] = []
-        for tier in open_buckets(config):
-            spec = config.buckets[tier.name]
-            flush = spec.flush
-            pool = ThreadPoolExecutor(flush.workers, thread_name_prefix=f"tierstate-s3-{tier.name}") if flush else None
-            pacer = Pacer(int(flush.bandwidth)) if flush is not None and flush.bandwidth is not None else None
-            self._buckets.append(_Bucket(tier, flush, spec.retention, pacer, pool))
+        self._tiers = open_buckets(config)
+        self._retention = {name: spec.retention for name, spec in config.buckets.items()}
 
     @property
     def tiers(self) -> list[S3Tier]:
-        return [b.tier for b in self._buckets]
-
-    def committed(self, step: int, source: FilesystemTier) -> None:
-        """Upload ``step`` of ``source`` to every bucket due to receive it, in the background."""
-        if not self._active:
-            return
-        for bucket in self._buckets:
-            if bucket.tier.name == self._persist:
-                continue  # published before the checkpoint was durable
-            if bucket.flush is not None and bucket.pool is not None and bucket.flush.due(step):
-                # Read-locked from now until uploaded: local retention keeps a step someone reads, so the
-                # copy cannot be pruned while its upload waits its turn (a flush tier's copy is pinned alike).
-                held = contextlib.ExitStack()
-                try:
-                    held.enter_context(reading(source.step_dir(step)))
-                except OSError as exc:
-                    self._failed(FlushFailure(step, bucket.tier.name, exc))
-                    continue
-                self._pending.append(bucket.pool.submit(self._flush, bucket, step, source, held))
+        return list(self._tiers)
 
     @property
     def persist_bucket(self) -> str | None:
@@ -116,23 +69,23 @@ class BucketFlusher:
         """Upload ``step`` from the staging tier ``source`` to the persist bucket, then apply the bucket's
         retention; raises what the upload raised (the checkpoint then fails). With many ranks, a collective:
         see :meth:`_publish_ranks`."""
-        (bucket,) = [b for b in self._buckets if b.tier.name == self._persist]
+        (bucket,) = [b for b in self._tiers if b.name == self._persist]
         if group is not None:
             self._publish_ranks(bucket, step, source, group)
         else:
             with reading(source.step_dir(step)):
-                bucket.tier.upload(source.step_dir(step), source.manifest(step))
+                bucket.upload(source.step_dir(step), source.manifest(step))
             self._retain(bucket)
-        log.info("checkpoint step %d published in %s", step, bucket.tier.store.where())
+        log.info("checkpoint step %d published in %s", step, bucket.store.where())
 
-    def _publish_ranks(self, bucket: _Bucket, step: int, source: FilesystemTier, group: CheckpointGroup) -> None:
+    def _publish_ranks(self, bucket: S3Tier, step: int, source: FilesystemTier, group: CheckpointGroup) -> None:
         """Rank 0 claims the step in the bucket; then every rank uploads the files it wrote (from the shared
         staging directory, or from its node's), each verified first; once every rank says its uploads
         succeeded, rank 0 puts the global manifest (on a node-scoped staging tier, joined from the node
         leaders' parts) with the conditional put and applies retention. Every rank gets the same outcome,
         so no rank reports the step durable before the bucket publishes it, and all fail together, naming
         the rank and the reason, if the claim, any rank's upload or the publication fails."""
-        where = f"bucket {bucket.tier.name}"
+        where = f"bucket {bucket.name}"
         error = refused = None
         seen: Manifest | None = None
         with contextlib.ExitStack() as held:
@@ -140,7 +93,7 @@ class BucketFlusher:
                 held.enter_context(reading(source.step_dir(step)))
                 seen = source.manifest(step)  # the whole checkpoint, or this node's part of it
                 if group.is_leader:
-                    bucket.tier.claim(step, seen.created, list(group.nodes))
+                    bucket.claim(step, seen.created, list(group.nodes))
             except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
                 error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
             refused = group.from_leader(error if group.is_leader else None, f"step {step}: claiming it in {where}")
@@ -148,7 +101,7 @@ class BucketFlusher:
                 raise CheckpointAborted(f"step {step} was not published in {where}: {refused}")
             if seen is not None and error is None:
                 try:
-                    bucket.tier.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
+                    bucket.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
                 except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
                     error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
         whole_or_part = seen is not None and (group.is_leader if seen.node_part is None else group.is_node_leader)
@@ -159,7 +112,7 @@ class BucketFlusher:
         if outcome is not None:
             raise CheckpointAborted(f"step {step} was not published in {where}: {outcome}")
 
-    def _publish_whole(self, bucket: _Bucket, step: int, said: list[tuple[str | None, Manifest | None]]) -> str | None:
+    def _publish_whole(self, bucket: S3Tier, step: int, said: list[tuple[str | None, Manifest | None]]) -> str | None:
         """On rank 0, once every rank said how its uploads went: the global manifest put last (joined from
         the node parts on a node-scoped staging tier), then retention, then the claim released; what went
         wrong, or None. Never raises: the other ranks wait for its answer."""
@@ -168,60 +121,30 @@ class BucketFlusher:
         try:
             if not errors:
                 whole = join_parts(step, parts) if parts[0].node_part is not None else parts[0]
-                bucket.tier.publish(whole)
+                bucket.publish(whole)
                 self._retain(bucket)
         except Exception as exc:  # noqa: BLE001 - every rank fails the step with it
             errors.append(f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}")
         try:
-            bucket.tier.release(step)  # every rank's uploads are over, whatever the outcome
+            bucket.release(step)  # every rank's uploads are over, whatever the outcome
         except Exception as exc:  # noqa: BLE001 - a claim left behind only delays a later writer until gc
-            log.warning("step %d: could not release its claim in bucket %s: %s", step, bucket.tier.name, exc)
+            log.warning("step %d: could not release its claim in bucket %s: %s", step, bucket.name, exc)
         return "; ".join(errors) or None
 
-    def _retain(self, bucket: _Bucket) -> None:
-        steps = bucket.tier.steps()
-        for old in steps:
-            if bucket.retention.keeps(old, steps) is None:
-                bucket.tier.delete_step(old)
-
-    def _failed(self, failure: FlushFailure) -> None:
-        log.error("%s", failure)
-        self._failures.append(failure)
-
-    def _flush(self, bucket: _Bucket, step: int, source: FilesystemTier, held: contextlib.ExitStack) -> None:
-        pacer = bucket.pacer
-        try:
-            with held:
-                directory = source.step_dir(step)
-                bucket.tier.upload(directory, source.manifest(step), pacer.wait if pacer is not None else None)
-            self._retain(bucket)
-            log.info("checkpoint step %d flushed to %s", step, bucket.tier.store.where())
-        except Exception as exc:  # noqa: BLE001 - a flush never reaches the training loop; reported by drain
-            self._failed(FlushFailure(step, bucket.tier.name, exc))
+    def _retain(self, bucket: S3Tier) -> None:
+        prune_bucket(BucketPolicies(bucket, self._retention[bucket.name]), dry_run=False)
 
     def fetch(self, which: int | str, target: FilesystemTier, local: set[int]) -> int | None:
         """Copy step ``which`` (or, for ``"latest"``, the newest step in a bucket newer than every step
         in ``local``) down to ``target`` when no local tier holds it; the step fetched, or None."""
-        for bucket in self._buckets:
-            steps = bucket.tier.steps()
+        for bucket in self._tiers:
+            steps = bucket.steps()
             if which == "latest":
                 wanted = steps[-1] if steps and steps[-1] > max(local, default=-1) else None
             else:
                 wanted = int(which) if int(which) in steps and int(which) not in local else None
             if wanted is not None:
-                bucket.tier.download(wanted, target)
-                log.info("checkpoint step %d fetched from %s to %s", wanted, bucket.tier.store.where(), target.name)
+                bucket.download(wanted, target)
+                log.info("checkpoint step %d fetched from %s to %s", wanted, bucket.store.where(), target.name)
                 return wanted
         return None
-
-    def drain(self) -> list[FlushFailure]:
-        """Wait for every upload; the failures since the last drain."""
-        wait(self._pending)
-        self._pending.clear()
-        failures, self._failures = self._failures, []
-        return failures
-
-    def close(self) -> None:
-        for bucket in self._buckets:
-            if bucket.pool is not None:
-                bucket.pool.shutdown(wait=True)

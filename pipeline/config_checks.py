@@ -34,6 +34,7 @@ def semantic_problems(config: ConfigSchema) -> list[tuple[str, str]]:
     if not graph:  # these walk the chain, which a broken graph (a cycle, a dangling next) does not have
         problems += _tier_format_problems(config)
     problems += _bounded_tier_problems(config)
+    problems += _flush_problems(config)
     problems += _replica_problems(config)
     if config.host_cache.size < 2 * config.chunk_size:
         chunk = config.chunk_size.human_readable()
@@ -66,6 +67,46 @@ def _tier_format_problems(config: ConfigSchema) -> list[tuple[str, str]]:
     if persist is not None and persist.format == "hdf5" and importlib.util.find_spec("h5py") is None:
         name = next(n for n, s in config.pipeline.stages.items() if s is persist)
         problems.append((f"pipeline.stages.{name}.format", HDF5_NEEDS_H5PY))
+    return problems
+
+
+def _flush_problems(config: ConfigSchema) -> list[tuple[str, str]]:
+    """The flush graph goes from faster to slower tiers (tiers/due.py): each ``from`` names a directory tier
+    listed before its target that receives checkpoints itself; a bucket is the last hop, and the persist
+    bucket is published to, never flushed to."""
+    problems = []
+    order = list(config.tiers)  # fastest first; the buckets come after every directory
+    flushes = [(name, t.flush, "tiers") for name, t in config.tiers.items()]
+    flushes += [(name, b.flush, "buckets") for name, b in config.buckets.items()]
+    # Not stage_of_kind: it walks the chain, which a broken stage graph (a cycle) does not have.
+    persist = next((s.tier for s in config.pipeline.stages.values() if isinstance(s, PersistStage)), None)
+    receiving = {persist} | {n for n, f, _ in flushes if f is not None}
+    for name, flush, section in flushes:
+        if flush is None or flush.source is None or name == persist:
+            continue  # the persist tier's own flush is refused by _tier_format_problems
+        key = f"tiers.{name}.flush.from"
+        source = flush.source
+        if section == "buckets" and name == config.persist_bucket:
+            problems.append((f"tiers.{name}.flush", (
+                f"the persist stage writes to {name!r} (through its staging directory): each checkpoint is "
+                "published there before it is durable, so it takes no flush; remove this flush"
+            )))  # fmt: skip
+        elif source in config.buckets:
+            problems.append((key, f"{source!r} is a bucket: a bucket is the slowest tier and flushes to none"))
+        elif source not in config.tiers:
+            problems.append((key, f"tier {source!r} is not defined under tiers (defined: {', '.join(order)})"))
+        elif source == name:
+            problems.append((key, "a tier cannot flush to itself"))
+        elif section == "tiers" and order.index(source) > order.index(name):
+            problems.append((key, (
+                f"tiers are listed fastest first and a flush goes towards a slower tier, but {source!r} is "
+                f"listed after {name!r}: list {source!r} first, or flush the other way"
+            )))  # fmt: skip
+        elif source not in receiving:
+            problems.append((key, (
+                f"tier {source!r} receives no checkpoints (it is not the persist tier and has no flush), "
+                f"so {name!r} would never get one"
+            )))  # fmt: skip
     return problems
 
 

@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..tiers.due import FlushGraph
 from ..tiers.nodes import expand_node
 from ..tiers.policy import FlushPolicy, RetentionPolicy
 from .config_errors import ConfigError, read_yaml
@@ -306,6 +307,13 @@ def _persist_through_staging(data: dict[str, Any], buckets: Mapping[str, Any]) -
     return data
 
 
+def _with_source(tier: Any, persist: str) -> Any:
+    """``tier`` (a raw tier mapping) with ``flush.from`` set to ``persist`` where its flush names no source."""
+    if not isinstance(tier, Mapping) or not isinstance(tier.get("flush"), Mapping) or "from" in tier["flush"]:
+        return tier
+    return {**tier, "flush": {**tier["flush"], "from": persist}}
+
+
 class ConfigSchema(_Strict):
     """The whole spec, each section valid on its own; :class:`~tierstate.pipeline.config.PipelineConfig`
     adds the checks across sections, so only that one is sure to have a well-formed stage chain."""
@@ -324,6 +332,30 @@ class ConfigSchema(_Strict):
     persist_bucket: TierName | None = None
     pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flush_sources(cls, data: Any) -> Any:
+        """A ``flush`` without ``from`` flushes from the tier the persist stage writes to: named here, so
+        that every reader of the config (the runner, the CLI, retention) sees each source spelled out.
+        Defined first so that it runs last, once the persist stage's tier is known (staging included)."""
+        if not isinstance(data, Mapping):
+            return data
+        pipeline = data.get("pipeline")
+        stages = pipeline.get("stages") if isinstance(pipeline, Mapping) else None
+        persist = next(
+            (stage.get("tier") for name, stage in stages.items()
+             if isinstance(stage, Mapping) and stage.get("kind", name) == "persist"),
+            None,
+        ) if isinstance(stages, Mapping) else None  # fmt: skip
+        if not isinstance(persist, str):
+            return data  # the checks report the missing persist stage or tier
+        filled = dict(data)
+        for section in ("tiers", "buckets"):
+            tiers = data.get(section)
+            if isinstance(tiers, Mapping):
+                filled[section] = {name: _with_source(tier, persist) for name, tier in tiers.items()}
+        return filled
 
     @model_validator(mode="before")
     @classmethod
@@ -419,6 +451,13 @@ class ConfigSchema(_Strict):
     def stage_of_kind(self, kind: str) -> StageConfig | None:
         """The stage of ``kind`` (each kind occurs at most once), or None, e.g. without compress."""
         return next((stage for _, stage in self.chain() if stage.kind == kind), None)
+
+    def flush_graph(self) -> FlushGraph:
+        """What is due where (tiers/due.py): the flush edges of the tiers and buckets. The persist bucket
+        is published to by the checkpoint itself, never flushed to."""
+        flushes = [(name, tier.flush) for name, tier in self.tiers.items()]
+        flushes += [(name, b.flush) for name, b in self.buckets.items() if name != self.persist_bucket]
+        return FlushGraph.of(flushes, self.persist_tier)
 
     @property
     def persist_tier(self) -> str:

@@ -1,13 +1,18 @@
 """Background flush and retention: after each commit, copy the checkpoint on and prune the tiers.
 
-Once a checkpoint commits on the persist tier (NVMe), every tier whose ``flush`` policy selects
-its step (the PFS) gets a copy by :func:`tiers.migrate.migrate`, the same code as ``tierstate
-migrate``: frame by frame, every checksum verified on the target, published with the commit
-protocol. Copies run on the runner's loop as tasks, at most ``flush.workers`` per target tier at a
-time, paced to ``flush.bandwidth`` bytes/s shared by them, in a thread pool of their own so they
-never hold up the next checkpoint's writes. After each commit and each flush, retention
-(:func:`tiers.retention.prune`) applies every tier's ``retention`` policy; it never deletes a
-checkpoint still due on a flush tier, so a pending or failed flush keeps its NVMe copy.
+Once a checkpoint commits on the persist tier (NVMe), it goes on along the flush graph (tiers/due.py):
+every tier whose ``flush`` comes from the persist tier and selects its step (the PFS, a bucket) gets a
+copy, and once published there, every tier whose flush comes from that one (``from: pfs``), and so on.
+A copy is :func:`tiers.transfer.transfer`, the same code as ``tierstate migrate``: to a directory frame
+by frame, every checksum verified on the target, published with the commit protocol; to a bucket
+verified in the source, uploaded, the manifest last with a conditional put. Once published, its
+receipt goes into every local copy of the step, and the handle's future of that tier resolves.
+Copies run on the runner's loop as tasks, at most ``flush.workers`` per target tier at a time, paced
+to ``flush.bandwidth`` bytes/s shared by them, in a thread pool of their own so they never hold up
+the next checkpoint's writes. After each commit and each flush, retention
+(:func:`tiers.retention.prune`) applies every tier's ``retention`` policy (a bucket's own after a
+flush to it); it never deletes the copy that feeds a tier the checkpoint is still due on, so a
+pending or failed flush keeps its NVMe copy.
 
 With many ranks and a node-scoped persist tier (each node its own NVMe), every node's leader copies
 its node's part; the global checkpoint appears on the shared tier once the last part is there
@@ -23,9 +28,10 @@ A flush that fails because its source copy is damaged (confirmed by a verificati
 unflushable instead (:mod:`tiers.pending`): reported once, and retention may then free that copy.
 
 A runner that starts on tiers where a crash left committed steps due on a later tier and not there
-resumes those flushes (``resume``, called once by the runner): in the background, oldest first,
-through the same gates, pacing, retries and verification as any flush, while it holds the source
-tier's writer lock, so that a second process started on the same tiers leaves them to this one.
+resumes those flushes (``resume``, called once by the runner): in the background, oldest first, each
+from the copy nearest its target, through the same gates, pacing, retries and verification as any
+flush, while it holds each source tier's writer lock, so that a second process started on the same
+tiers leaves them to this one.
 """
 
 from __future__ import annotations
@@ -34,20 +40,24 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierstate.errors import TierstateError
 
+from ..tiers.bucketcmds import BucketPolicies, prune_bucket
+from ..tiers.due import FlushEdge
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.locks import InUseError, claim_tier
-from ..tiers.migrate import MigrateReport, migrate
+from ..tiers.migrate import MigrateReport
 from ..tiers.nodeparts import parts_present
 from ..tiers.pacing import Pacer
-from ..tiers.pending import PendingFlush, give_up_if_damaged, pending_flushes
-from ..tiers.policy import FlushPolicy
+from ..tiers.pending import PendingFlush, give_up_if_damaged, note_received, pending_flushes
 from ..tiers.retention import TierPolicies, collect_garbage, prune
+from ..tiers.s3tier import S3Tier
+from ..tiers.transfer import transfer
 from .config import PipelineConfig
 from .handle import HandleCompleter
 from .retry import RetryPolicy, transient
@@ -114,10 +124,20 @@ class FlushFailure:
 
 @dataclass
 class _Target:
-    tier: FilesystemTier
-    policy: FlushPolicy
+    """A tier flushed to (a directory or a bucket), the edge that feeds it, its gate and pacer."""
+
+    tier: FilesystemTier | S3Tier
+    edge: FlushEdge
     gate: asyncio.Semaphore
     pacer: Pacer
+
+
+def _missing_parts(tier: FilesystemTier | S3Tier, step: int) -> str:
+    """For a message: whose parts ``step`` still lacks on ``tier``."""
+    if isinstance(tier, S3Tier):
+        return f"other nodes' parts under {tier.store.where(tier.step_prefix(step))}"
+    _, missing = parts_present(tier.partial_dir(step), step)
+    return f"the part(s) of node(s) {', '.join(missing)} in {tier.partial_dir(step)}"
 
 
 class Flusher:
@@ -127,23 +147,27 @@ class Flusher:
         self,
         config: PipelineConfig,
         tiers: list[FilesystemTier],
+        buckets: Sequence[S3Tier],
         loop: asyncio.AbstractEventLoop,
         role: FlushRole = FlushRole(),
     ) -> None:
         self._role = role
         self._active = role.active
-        by_name = {tier.name: tier for tier in tiers}
         self._loop = loop
-        self._source = by_name[config.persist_tier]
-        self._policies = [TierPolicies(by_name[name], t.retention, t.flush) for name, t in config.tiers.items()]
-        self._targets = [
-            _Target(by_name[name], t.flush, asyncio.Semaphore(t.flush.workers), Pacer(t.flush.bandwidth))
-            for name, t in config.tiers.items()
-            if t.flush is not None
-        ]
+        self._tiers = tiers
+        by_name: dict[str, FilesystemTier | S3Tier] = {t.name: t for t in [*tiers, *buckets]}
+        self._source = next(t for t in tiers if t.name == config.persist_tier)
+        self._policies = [TierPolicies(t, config.tiers[t.name].retention, config.tiers[t.name].flush) for t in tiers]
+        self._buckets = [BucketPolicies(b, config.buckets[b.name].retention) for b in buckets]
+        self._graph = config.flush_graph()
+        self._targets = {
+            edge.target: _Target(by_name[edge.target], edge, asyncio.Semaphore(edge.policy.workers),
+                                 Pacer(edge.policy.bandwidth))
+            for edge in self._graph.edges
+        }  # fmt: skip
         self._prunes = role.prunes != frozenset() and any(p.retention.active for p in self._policies)
         self._align = int(config.align)
-        workers = sum(t.policy.workers for t in self._targets) + 1  # + 1: retention runs beside the copies
+        workers = sum(t.edge.policy.workers for t in self._targets.values()) + 1  # + 1: retention beside the copies
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierstate-flush")
         self._tasks: set[asyncio.Task[object]] = set()
         self._prune_lock = asyncio.Lock()
@@ -151,22 +175,23 @@ class Flusher:
         self.failures: list[FlushFailure] = []
 
     def due(self, step: int) -> list[str]:
-        """The tiers this flusher will copy ``step`` to once it commits (none on a rank that does not commit)."""
-        return [target.tier.name for target in self._due_targets(step)]
-
-    def _due_targets(self, step: int) -> list[_Target]:
-        if not self._active:
-            return []
-        return [target for target in self._targets if target.policy.due(step)]
+        """The tiers this flusher will copy ``step`` to once it commits, along the flush graph (none on a
+        rank that does not commit)."""
+        return self._graph.reached(self._source.name, step) if self._active else []
 
     def committed(self, completer: HandleCompleter) -> None:
         """``completer``'s checkpoint just committed on the persist tier: start its flushes, then prune."""
         if not self._active:
             return
-        for target in self._due_targets(completer.step):
-            self._spawn(self._flush(completer.step, target, completer))
+        self._onwards(completer.step, self._source, completer)
         if self._prunes:
             self._spawn(self._prune())
+
+    def _onwards(self, step: int, holder: FilesystemTier | S3Tier, completer: HandleCompleter) -> None:
+        """``step`` is now on ``holder``: start the flushes of the edges out of it that select the step."""
+        for edge in self._graph.edges_from(holder.name):
+            if edge.policy.due(step) and isinstance(holder, FilesystemTier):  # a bucket is the last hop
+                self._spawn(self._flush(step, self._targets[edge.target], holder, completer))
 
     def _spawn(self, work: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         task = self._loop.create_task(work)
@@ -174,18 +199,21 @@ class Flusher:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _flush(self, step: int, target: _Target, completer: HandleCompleter | None) -> None:
-        """Copy ``step`` to ``target`` (retried, reported); ``completer``: its handle, None for a step
-        a crashed run left (:meth:`resume`), whose flush nobody waits on."""
+    async def _flush(
+        self, step: int, target: _Target, source: FilesystemTier, completer: HandleCompleter | None
+    ) -> None:
+        """Copy ``step`` from ``source`` to ``target`` (retried, reported), then on to the tiers after it;
+        ``completer``: its handle, None for a step a crashed run left (:meth:`resume`), whose flush nobody
+        waits on and whose later hops are pending flushes of their own."""
         name = target.tier.name
         report = None
         attempts = 0
         if self._role.copies:
-            retry = RetryPolicy(target.policy.retries, target.policy.backoff)
+            retry = RetryPolicy(target.edge.policy.retries, target.edge.policy.backoff)
             while True:
                 attempts += 1
                 try:
-                    report = await self._copy(step, target)
+                    report = await self._copy(step, target, source)
                     break
                 except Exception as exc:  # reported, never raised into training
                     if transient(exc) and attempts <= retry.retries:
@@ -196,41 +224,64 @@ class Flusher:
                         )
                         await asyncio.sleep(delay)
                         continue
-                    await self._failed(step, completer, name, exc, attempts)
+                    await self._failed(step, completer, name, source, exc, attempts)
                     return
             log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
         if completer is None:  # a step a crashed run left: its other nodes' parts come as their runners resume
-            if self._prunes:
-                await self._prune()
+            await self._pruned_after(target)
             return
         if self._role.wait_s and (report is None or report.waiting_for):
             try:
                 await self._published(step, target.tier, report)
             except Exception as exc:  # reported, never raised into training
-                await self._failed(step, completer, name, exc, max(attempts, 1))
+                await self._failed(step, completer, name, source, exc, max(attempts, 1))
                 return
-        completer.persisted(name, target.tier.step_dir(step))
+        where = target.tier.location(step)  # a directory, or a bucket's prefix (named by its s3:// URL)
+        completer.persisted(name, where if isinstance(where, Path) else str(where))
+        self._onwards(step, target.tier, completer)
+        await self._pruned_after(target)
+
+    async def _copy(self, step: int, target: _Target, source: FilesystemTier) -> MigrateReport:
+        """One attempt at copying ``step`` to ``target``, as one of its ``workers``; once published there,
+        its receipt goes into every local copy of the step (tiers/due.py)."""
+        async with target.gate:
+            copy = functools.partial(transfer, align=self._align, pacer=target.pacer)
+            report = await run_blocking(self._pool, copy, step, source, target.tier)
+            if not report.waiting_for:
+                await run_blocking(self._pool, note_received, self._tiers, step, target.tier.name, source)
+            return report
+
+    async def _pruned_after(self, target: _Target) -> None:
+        """Retention after a flush: on the local tiers, and on ``target`` if it is a bucket (its own rule)."""
         if self._prunes:
             await self._prune()
-
-    async def _copy(self, step: int, target: _Target) -> MigrateReport:
-        """One attempt at copying ``step`` to ``target``, as one of its ``workers``."""
-        async with target.gate:
-            copy = functools.partial(migrate, align=self._align, pacer=target.pacer)
-            return await run_blocking(self._pool, copy, step, self._source, target.tier)
+        bucket = next((b for b in self._buckets if b.tier is target.tier and b.retention.active), None)
+        if bucket is not None and self._role.prunes is None:  # the job's leader, or a process on its own
+            try:
+                await run_blocking(self._pool, prune_bucket, bucket, False)
+            except Exception as exc:  # reported, never raised into training
+                log.error("retention on bucket %s failed: %s: %s", bucket.tier.name, type(exc).__name__, exc)
 
     async def _failed(
-        self, step: int, completer: HandleCompleter | None, name: str, exc: BaseException, attempts: int
+        self,
+        step: int,
+        completer: HandleCompleter | None,
+        name: str,
+        source: FilesystemTier,
+        exc: BaseException,
+        attempts: int,
     ) -> None:
         """Report a flush that failed for good: in the log, on its handle and in ``failures``. If its
         source copy is damaged it is noted unflushable, and retention may free it now."""
         damaged = None
         if self._role.copies:
-            damaged = await run_blocking(self._pool, give_up_if_damaged, self._source, step, name, exc)
-        failure = FlushFailure(step, name, exc, attempts, self._source.name, damaged)
+            damaged = await run_blocking(self._pool, give_up_if_damaged, source, step, name, exc)
+        failure = FlushFailure(step, name, exc, attempts, source.name, damaged)
         log.error("%s", failure)
         if completer is not None:
             completer.flush_failed(name, exc)
+            for later in self._graph.reached(name, step):  # never reached from here now
+                completer.flush_failed(later, exc)
         self.failures.append(failure)
         if damaged is not None and self._prunes:
             await self._prune()
@@ -277,51 +328,48 @@ class Flusher:
             claim.release()
 
     def _pending(self) -> list[PendingFlush]:
-        """The steps on the source tier that one of this flusher's targets is due to receive and lacks."""
-        targets = {t.tier.name for t in self._targets}
-        pending = pending_flushes(self._policies, self._source.name)
-        return [PendingFlush(p.step, p.source, tuple(t for t in p.targets if t in targets)) for p in pending]
+        """The steps some tier of the flush graph is due to receive and lacks, each from the copy nearest it."""
+        return pending_flushes(self._policies, graph=self._graph)
 
     async def _resume(self, left: set[tuple[int, str]]) -> None:
-        """Hold the source tier's writer lock, then flush what is still pending of ``left``, oldest first."""
+        """Hold each source tier's writer lock, then flush what is still pending of ``left``, oldest first."""
+        claims = []
         try:
-            claim = await run_blocking(self._pool, claim_tier, self._source.root, self._source.owner)
-        except InUseError as exc:  # another process writes the source tier: its runner flushes them
-            log.info("flushes pending on tier %s left to its writer: %s", self._source.name, exc)
-            return
-        except Exception as exc:  # reported, never raised into training
-            log.error("could not take tier %s to resume its flushes: %s: %s", self._source.name,
-                      type(exc).__name__, exc)  # fmt: skip
-            return
-        try:
-            # Another process may have flushed some meanwhile (before this one held the lock): looked at again.
+            # Another process may have flushed some meanwhile (before this one held the locks): looked at again.
             pending = await run_blocking(self._pool, self._pending)
-            targets = {t.tier.name: t for t in self._targets}
             flushes = []
+            held = set()
+            for source in {p.source.name: p.source for p in pending}.values():
+                try:
+                    claims.append(await run_blocking(self._pool, claim_tier, source.root, source.owner))
+                    held.add(source.name)
+                except InUseError as exc:  # another process writes that tier: its runner flushes from it
+                    log.info("flushes pending on tier %s left to its writer: %s", source.name, exc)
             for item in pending:  # oldest first; each target's gate lets them through in this order
                 names = [name for name in item.targets if (item.step, name) in left]
-                if names:
-                    log.info("step %d on %s is due on %s and not there: resuming its flush", item.step,
-                             item.source.name, ", ".join(names))  # fmt: skip
-                flushes += [self._spawn(self._flush(item.step, targets[name], None)) for name in names]
+                if not names or item.source.name not in held:
+                    continue
+                log.info("step %d on %s is due on %s and not there: resuming its flush", item.step,
+                         item.source.name, ", ".join(names))  # fmt: skip
+                flushes += [self._spawn(self._flush(item.step, self._targets[n], item.source, None)) for n in names]
             await asyncio.gather(*flushes, return_exceptions=True)
         except Exception as exc:  # reported, never raised into training
             log.error("resuming the flushes pending on %s failed: %s: %s", self._source.name,
                       type(exc).__name__, exc)  # fmt: skip
         finally:
-            claim.release()
+            for claim in claims:
+                claim.release()
 
-    async def _published(self, step: int, tier: FilesystemTier, report: MigrateReport | None) -> None:
+    async def _published(self, step: int, tier: FilesystemTier | S3Tier, report: MigrateReport | None) -> None:
         """Wait until the other nodes' parts complete ``step`` on ``tier`` (see :class:`FlushRole`)."""
         deadline = self._loop.time() + self._role.wait_s
         pause = 0.02
-        while step not in await run_blocking(self._pool, tier.steps):
+        while not await run_blocking(self._pool, tier.holds, step):
             if self._loop.time() >= deadline:
-                _, missing = await run_blocking(self._pool, parts_present, tier.partial_dir(step), step)
                 mine = "" if report is None else f"this node's part is there ({report.outcome}); "
                 raise PartsMissing(
                     f"step {step} is not on tier {tier.name} after {self._role.wait_s:g} s: {mine}still missing "
-                    f"the part(s) of node(s) {', '.join(missing)} in {tier.partial_dir(step)}"
+                    f"{await run_blocking(self._pool, _missing_parts, tier, step)}"
                 )
             await asyncio.sleep(pause)  # another node's copy ends on its own schedule: nothing to wait on here
             pause = min(1.0, pause * 2)
@@ -330,7 +378,7 @@ class Flusher:
         """One retention pass over the tiers this rank prunes; whether it deleted anything."""
         async with self._prune_lock:  # one pass at a time: each sees the deletions of the one before
             try:
-                prune_all = functools.partial(prune, only=self._role.prunes)
+                prune_all = functools.partial(prune, only=self._role.prunes, graph=self._graph)
                 decisions = await run_blocking(self._pool, prune_all, self._policies)
             except Exception as exc:
                 log.error("retention failed: %s: %s", type(exc).__name__, exc)

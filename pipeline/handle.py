@@ -78,7 +78,7 @@ class CheckpointHandle:
         step: int,
         capture: concurrent.futures.Future[None],
         durable: concurrent.futures.Future[CheckpointResult],
-        tiers: Mapping[str, concurrent.futures.Future[Path]],
+        tiers: Mapping[str, concurrent.futures.Future[Path | str]],
     ) -> None:
         self.step = step
         # What this checkpoint cost (bytes, seconds and GB/s per stage, queue peaks, blocked time);
@@ -128,9 +128,10 @@ class CheckpointHandle:
         return self._durable
 
     @property
-    def tier_futures(self) -> Mapping[str, concurrent.futures.Future[Path]]:
-        """Per tier this checkpoint is due on, the committed directory there. A flush that fails fails
-        its tier's future with the flush's error; a failed checkpoint fails them all."""
+    def tier_futures(self) -> Mapping[str, concurrent.futures.Future[Path | str]]:
+        """Per tier this checkpoint is due on, the committed directory there (a bucket's: the ``s3://`` URL
+        of its prefix). A flush that fails fails its tier's future with the flush's error, and those of
+        the tiers it would have gone on to; a failed checkpoint fails them all."""
         return self._tiers
 
     # --- the trainer's questions ---------------------------------------------------------------
@@ -203,7 +204,7 @@ class HandleCompleter:
         self._count = count
         self._capture: concurrent.futures.Future[None] = _running_future()
         self._durable: concurrent.futures.Future[CheckpointResult] = _running_future()
-        self._tiers: dict[str, concurrent.futures.Future[Path]] = {name: _running_future() for name in tiers}
+        self._tiers: dict[str, concurrent.futures.Future[Path | str]] = {name: _running_future() for name in tiers}
         self.handle = CheckpointHandle(step, self._capture, self._durable, self._tiers)
         # Trainer threads waiting for the capture, by their start time (see wait_captured).
         self._waiting: dict[object, tuple[float, str]] = {}  # token -> (since, thread)
@@ -265,8 +266,8 @@ class HandleCompleter:
         _settle(self._capture, None)
         _settle(self._durable, result)
 
-    def persisted(self, tier: str, path: Path) -> None:
-        """A background flush committed (and verified) a copy on ``tier``."""
+    def persisted(self, tier: str, path: Path | str) -> None:
+        """A background flush committed (and verified) a copy on ``tier``: its directory, or a bucket's URL."""
         _settle(self._tiers[tier], path)
 
     def flush_failed(self, tier: str, error: BaseException) -> None:

@@ -39,7 +39,7 @@ from ..tiers.filesystem import FilesystemTier, TierError
 from ..tiers.hostcache import HostCache
 from ..tiers.s3tier import S3Tier
 from .agreement import restore_checkpoint
-from .buckets import BucketFlusher
+from .buckets import Buckets
 from .config import PipelineConfig, load_config, parse_config
 from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure, FlushRole
@@ -129,14 +129,14 @@ class Runner:
         # Every checkpoint requested, summed (metrics()); added to from the trainer's and the loop's thread.
         self._metrics = RunMetrics()
         self._metrics_lock = threading.Lock()
-        # Background flushes to slower tiers and retention (pipeline/flush.py): who does what in FlushRole.
-        self._flusher = Flusher(config, self.tiers, self._loop, FlushRole.of(config, self._group, group_timeout))
-        self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         # kind: s3 tiers (pipeline/buckets.py), checked here: bad credentials or a missing bucket fail now.
-        # Many ranks: a shared persist tier's leader uploads whole steps, each node's leader its node's part.
-        shared = config.tiers[config.persist_tier].scope == "shared"
-        active = self._group is None or (self._group.is_leader if shared else self._group.is_node_leader)
-        self._buckets = BucketFlusher(config, active=active)
+        self._buckets = Buckets(config)
+        # Background flushes along the flush graph, buckets included, and retention (pipeline/flush.py): who
+        # does what in FlushRole (many ranks: a shared persist tier's leader copies whole steps, each node's
+        # leader its node's part).
+        role = FlushRole.of(config, self._group, group_timeout)
+        self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._loop, role)
+        self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
@@ -334,7 +334,6 @@ class Runner:
         tier = self._buckets.persist_bucket or self.durable_tier.name
         completer.durable(CheckpointResult.of(job.step, tier, path, job.stats))
         self._flusher.committed(completer)
-        self._buckets.committed(job.step, self.durable_tier)
         if self._peers is not None:
             self._peers.committed(completer)
 
@@ -394,7 +393,6 @@ class Runner:
         self._closed = True
         self.wait()
         self.flush_failures = self._flusher.drain()  # every flush done or reported
-        self.flush_failures += self._buckets.drain()
         if self._peers is not None:
             self.flush_failures += self._peers.drain()  # after the flushes: a peer copy waits for its tier's
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -403,7 +401,6 @@ class Runner:
         self._compute.shutdown()
         self._io.shutdown()
         self._flusher.close()
-        self._buckets.close()
         self.durable_tier.release()  # another job may write the tier now
         if self._peers is not None:
             self._peers.close()

@@ -6,41 +6,35 @@ Each returns the result types of :mod:`tiers.commands` (ls entries, :class:`~tie
 directory tier's, and a script reading ``--json`` sees one shape. Reading goes through the read
 object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.verify.verify_source` over a
 :class:`~tiers.s3tier.BucketSource`): the frames of a bucket are checked by the code that checks a
-directory's. Writing to a bucket is :meth:`S3Tier.upload` (verified source, data first, the manifest
-last with a conditional put); from it, :meth:`S3Tier.download` (verified before the local commit).
+directory's. Copies to and from a bucket are :mod:`tiers.transfer`'s.
 """
 
 from __future__ import annotations
 
-import errno
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from .catalog import summary
-from .filesystem import FilesystemTier, TierError
 from .format import ManifestError
 from .integrity import Problem
 from .manifest import MANIFEST_NAME
-from .migrate import MigrateReport, paced
 from .objstore import Progress
-from .pacing import Pacer
-from .policy import RetentionPolicy
-from .retention import Decision, Leftover, delete_step
-from .s3tier import S3Tier, TransferReport
+from .policy import FlushPolicy, RetentionPolicy
+from .retention import Decision, Leftover
+from .s3tier import S3Tier
 from .stored import StoredCheckpoint
 from .verify import VerifyResult
-
-AnyTier = FilesystemTier | S3Tier
 
 
 @dataclass(frozen=True)
 class BucketPolicies:
-    """A bucket tier with the retention its YAML section (or ``--keep-last``) gives it."""
+    """A bucket tier with the retention its YAML section (or ``--keep-last``) gives it, and its flush."""
 
     tier: S3Tier
     retention: RetentionPolicy = RetentionPolicy()
+    flush: FlushPolicy | None = None
 
 
 def _step_bytes(tier: S3Tier) -> dict[int, tuple[int, datetime]]:
@@ -86,45 +80,6 @@ def verify_bucket_step(tier: S3Tier, step: int, progress: Progress | None = None
         problems, stored = [Problem(MANIFEST_NAME, None, str(exc))], 0
     where = tier.store.where(f"step-{step}")
     return VerifyResult(tier.name, step, where, stored, time.perf_counter() - started, problems)
-
-
-# --- migrate --------------------------------------------------------------------------------------
-def migrate_bucket(
-    step: int,
-    source: AnyTier,
-    target: AnyTier,
-    *,
-    move: bool = False,
-    pacer: Pacer | None = None,
-    progress: Progress | None = None,
-) -> MigrateReport:
-    """Copy (``move``: then delete the source's copy) ``step`` between a directory tier and a bucket,
-    either way; every frame verified on the way (see the module)."""
-    started = time.perf_counter()
-    advance = paced(progress, pacer)
-    manifest = source.manifest(step)
-    if isinstance(target, S3Tier) and isinstance(source, FilesystemTier):
-        transfer: TransferReport = target.upload(source.step_dir(step), manifest, advance)
-    elif isinstance(source, S3Tier) and isinstance(target, FilesystemTier):
-        transfer = source.download(step, target, advance)
-    else:
-        raise TierError(errno.EOPNOTSUPP, f"step {step}: {source.name} -> {target.name}: both are buckets; "
-                        "migrate through a directory tier")  # fmt: skip
-    frames = sum(len(record.frames) for record in manifest.files.values())
-    copied = transfer.outcome == "copied"
-    report = MigrateReport(
-        step, source.name, target.name, transfer.target, transfer.outcome, frames,
-        frames_copied=frames if copied else 0, frames_reused=0 if copied else frames,
-        bytes_copied=transfer.bytes, bytes_reused=0 if copied else manifest.stored_bytes,
-    )  # fmt: skip
-    if move:
-        if isinstance(source, S3Tier):
-            source.delete_step(step)
-        else:
-            delete_step(source, step)
-        report.moved = True
-    report.seconds = time.perf_counter() - started
-    return report
 
 
 # --- prune and gc ---------------------------------------------------------------------------------

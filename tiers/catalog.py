@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from .due import receipts
 from .filesystem import FilesystemTier
 from .manifest import Manifest
 from .records import AliasRecord, ObjectRecord, PerRankRecord, ShardedRecord
@@ -56,10 +57,12 @@ def item_rows(manifest: Manifest) -> list[dict[str, Any]]:
 def copy_state(tiers: Sequence[FilesystemTier], tier: FilesystemTier, step: int) -> dict[str, Any]:
     """State of a committed copy: ``verified`` or ``damaged`` as the last full verification of this very
     manifest found it (``committed`` if none ran since it was written); ``flushed`` when a slower tier
-    (later in the list) also holds the step."""
+    (later in the list) also holds the step, or received it (its receipt is in this copy: a bucket, or a
+    tier whose retention let it go since)."""
     stamp = read_stamp(tier.step_dir(step))
     later = tiers[[t.name for t in tiers].index(tier.name) + 1 :]
     flushed_to = [t.name for t in later if step in t.steps()]
+    flushed_to += [name for name in receipts(tier, step) if name not in flushed_to]
     state = "committed" if stamp is None else "verified" if stamp.ok else "damaged"
     return {
         "state": state,

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from tierstate.errors import TierstateError
 
-from .bucketcmds import AnyTier, BucketPolicies, migrate_bucket, prune_bucket, verify_bucket_step
+from .bucketcmds import BucketPolicies, prune_bucket, verify_bucket_step
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, summary
 from .convert import Format
 from .export import ExportFormat, ExportReport, export
@@ -29,13 +29,14 @@ from .filesystem import FilesystemTier, InvalidEntry
 from .format import ManifestError
 from .hfdir import MAX_SHARD_SIZE, export_hf, weight_files
 from .locks import InUseError
-from .migrate import MigrateReport, migrate
+from .migrate import MigrateReport
 from .pacing import Pacer
 from .peers import peer_copies
-from .retention import Decision, TierPolicies, prune
+from .retention import Decision, TierPolicies, graph_of, prune
 from .s3tier import S3Tier
 from .source import ByteSource
 from .stored import StoredCheckpoint
+from .transfer import AnyTier, transfer
 from .verify import VerifyResult, invalid_result, verify_step
 
 Writer = Callable[[StoredCheckpoint, Path, Callable[[int], None] | None], ExportReport]
@@ -139,11 +140,7 @@ def migrate_steps(
         try:
             total = source.manifest(each).stored_bytes
             with progress(f"step {each}", total) as advance:
-                if isinstance(source, S3Tier) or isinstance(target, S3Tier):
-                    report = migrate_bucket(each, source, target, move=move, pacer=pacer, progress=advance)
-                else:
-                    report = migrate(each, source, target, move=move, fmt=fmt, pacer=pacer, progress=advance)
-                results.append(report)
+                results.append(transfer(each, source, target, move=move, fmt=fmt, pacer=pacer, progress=advance))
         except (*FAILURES, InUseError) as exc:
             results.append(MigrateFailure(each, source.name, target.name, str(exc)))
     return results
@@ -248,6 +245,7 @@ def prune_tiers(
     holdings decide what is still due somewhere. ``confirm``: given the plan (what would be deleted
     and freed) before anything is deleted, and asked whether to go on; None = do not ask. A bucket's
     retention is applied on its own steps (``buckets``, those named in ``only``)."""
+    graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])  # a bucket's flush keeps its source
     buckets = [b for b in buckets if b.tier.name in only and b.retention.active]
     if not buckets and not any(p.retention.active for p in tiers if p.tier.name in only):
         raise UsageError("no retention policy: set tiers.NAME.retention in --config, or give --keep-last/--keep-every")
@@ -255,7 +253,7 @@ def prune_tiers(
              for p in tiers if p.tier.name in only for step in p.tier.steps()}  # fmt: skip
 
     def apply(dry_run: bool) -> list[Decision]:
-        decisions = prune(tiers, dry_run=dry_run, only=only)
+        decisions = prune(tiers, dry_run=dry_run, only=only, graph=graph)
         for bucket in buckets:
             decided, held = prune_bucket(bucket, dry_run)
             decisions += decided

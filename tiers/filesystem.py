@@ -254,6 +254,10 @@ class FilesystemTier:
                 found.append(int(match.group(1)))
         return sorted(found)
 
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is committed here."""
+        return step in self.steps()
+
     def invalid(self) -> list[InvalidEntry]:
         """Entries named like checkpoints that are neither checkpoints nor leftovers, by step."""
         found = []

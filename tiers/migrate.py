@@ -33,6 +33,7 @@ from tierstate.errors import TierstateError
 from . import faults
 from .container import Format
 from .convert import container_format, rewrite
+from .due import record_receipt
 from .filesystem import FilesystemTier
 from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
@@ -43,7 +44,7 @@ from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
 from .records import FileRecord, FrameRecord
-from .retention import delete_step, record_receipt
+from .retention import delete_step
 from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
 from .stored import StoredCheckpoint
 from .verify import write_stamp

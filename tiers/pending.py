@@ -1,20 +1,20 @@
 """Flushes a crash left undone: committed copies due on a later tier that the tier has not received.
 
-A runner copies each checkpoint on to every tier whose flush policy selects its step once it
-commits (pipeline/flush.py). A process killed before those copies were published leaves the step
-on the faster tier only, where retention keeps it (the last copy of a step a tier is due to
-receive). Nothing would copy it on, so it would stay pinned: the PFS would never get it, and a
-bounded memory tier would fill with such copies until every later checkpoint failed. What is due
-is a function of the tiers and their policies alone (the same rule retention applies,
-:func:`tiers.retention.due_on`), so a restarted runner and ``tierstate flush`` find those steps
-here and copy them on, oldest first.
+A runner copies each checkpoint on along the flush graph once it commits (pipeline/flush.py). A
+process killed before those copies were published leaves the step on the faster tier only, where
+retention keeps it (the copy that feeds a tier the step is due on, :mod:`tiers.due`). Nothing would
+copy it on, so it would stay pinned: the PFS or the bucket would never get it, and a bounded memory
+tier would fill with such copies until every later checkpoint failed. What is due is a function of
+the tiers, their flush graph and the receipts alone (:mod:`tiers.due`), so a restarted runner and
+``tierstate flush`` find those steps here and copy them on, oldest first, each from the copy nearest
+its target.
 
 A copy whose flush fails because it is itself damaged (a frame or its manifest no longer matches its
 checksum, confirmed by a full verification) can never be flushed: it is noted as unflushable for
-that tier (:func:`tiers.retention.record_unflushable`), reported once, and retention then treats it
+that tier (:func:`tiers.due.record_unflushable`), reported once, and retention then treats it
 by its tier's rule. Any other failure (the target full or down) leaves it pinned, to be tried again.
 
-Only the writer of the source tier resumes its flushes (:func:`tiers.locks.claim_tier`): two
+Only the writer of a source tier resumes its flushes (:func:`tiers.locks.claim_tier`): two
 processes started on the same tiers do not both copy the same step (their copies into one
 ``step-N.partial`` would also meet the partial's exclusive lock, see :mod:`tiers.migrate`).
 """
@@ -22,17 +22,20 @@ processes started on the same tiers do not both copy the same step (their copies
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .bucketcmds import BucketPolicies
+from .due import FlushGraph, copies_of, fed_by, holdings, record_receipt, record_unflushable
 from .filesystem import FilesystemTier
 from .format import ManifestError
 from .locks import claim_tier
-from .migrate import MigrateReport, migrate
+from .migrate import MigrateReport, same_checkpoint
 from .pacing import Pacer
 from .pieces import CorruptCheckpointError
-from .retention import Decision, TierPolicies, collect_garbage, due_on, prune, record_unflushable
+from .retention import Decision, TierPolicies, collect_garbage, graph_of, prune
+from .transfer import AnyTier, transfer
 from .verify import verify_step
 
 log = logging.getLogger("tierstate")
@@ -43,7 +46,7 @@ _SOURCE_DAMAGE = (CorruptCheckpointError, ManifestError)
 
 @dataclass(frozen=True)
 class PendingFlush:
-    """Committed ``step``, held by ``source`` (its fastest holder), not yet on the tiers ``targets``."""
+    """Committed ``step``, held by ``source`` (the copy nearest them), not yet on the tiers ``targets``."""
 
     step: int
     source: FilesystemTier
@@ -53,30 +56,57 @@ class PendingFlush:
         return {"step": self.step, "source": self.source.name, "due_on": list(self.targets)}
 
 
-def pending_flushes(tiers: Sequence[TierPolicies], source: str | None = None) -> list[PendingFlush]:
-    """The committed steps some tier is due to receive and has not, oldest first; each from its fastest
-    holder among ``tiers`` (fastest first), or only those ``source`` holds (the runner's persist tier)."""
-    holdings = {p.tier.name: set(p.tier.steps()) for p in tiers}
+def pending_flushes(
+    policies: Sequence[TierPolicies], source: str | None = None, graph: FlushGraph | None = None
+) -> list[PendingFlush]:
+    """The committed steps some tier is due to receive and has not, oldest first, each from the copy that
+    feeds it among ``policies``' tiers (fastest first); only those ``source`` holds when given. ``graph``:
+    the flush graph (tiers/due.py), by default that of ``policies`` alone."""
+    graph = graph_of(policies) if graph is None else graph
+    tiers = [p.tier for p in policies]
+    held = holdings(tiers)
     found = []
-    for step in sorted(set().union(*holdings.values())):
-        holders = [p for p in tiers if step in holdings[p.tier.name] and source in (None, p.tier.name)]
-        if not holders:
-            continue
-        due = due_on(holders[0], step, tiers, holdings)
-        if due:
-            found.append(PendingFlush(step, holders[0].tier, tuple(due)))
+    for step in sorted(set().union(*held.values())):
+        copies = copies_of(step, tiers, held)
+        for name, tier in copies.tiers.items():
+            due = fed_by(graph, name, copies) if source in (None, name) else []
+            if due:
+                found.append(PendingFlush(step, tier, tuple(due)))
     return found
 
 
-def mark_pending(entries: list[dict[str, Any]], tiers: Sequence[TierPolicies]) -> list[dict[str, Any]]:
+def mark_pending(
+    entries: list[dict[str, Any]], policies: Sequence[TierPolicies], graph: FlushGraph | None = None
+) -> list[dict[str, Any]]:
     """``tierstate ls`` entries, each copy a pending flush would start from given ``due_on``: the tiers
     due to receive it that have not (a crashed run's flushes, or flushes still running)."""
-    due = {(p.source.name, p.step): list(p.targets) for p in pending_flushes(tiers)}
+    due = {(p.source.name, p.step): list(p.targets) for p in pending_flushes(policies, graph=graph)}
     for entry in entries:
         targets = due.get((entry["tier"], entry["step"]))
         if targets:
             entry["due_on"] = targets
     return entries
+
+
+def note_received(tiers: Sequence[FilesystemTier], step: int, receiver: str, source: FilesystemTier) -> None:
+    """``receiver`` published ``step`` from ``source``'s copy: the receipt goes into every copy of that very
+    checkpoint among ``tiers``, so that none of them is taken as due there once ``receiver`` lets it go.
+
+    A copy that cannot take the note (read-only, full, gone meanwhile) stays pinned: the safe side, and no
+    reason to fail a copy that is published and verified.
+    """
+    try:
+        published = source.manifest(step)
+    except (OSError, ManifestError):
+        return
+    for tier in tiers:
+        if tier.name == receiver:
+            continue
+        try:
+            if tier.name == source.name or same_checkpoint(tier.manifest(step), published):
+                record_receipt(tier, step, receiver)
+        except (OSError, ManifestError):
+            continue
 
 
 def give_up_if_damaged(source: FilesystemTier, step: int, receiver: str, error: BaseException) -> str | None:
@@ -130,20 +160,24 @@ class FlushRun:
 
 def flush_by_hand(
     tiers: Sequence[TierPolicies],
-    source: str | None = None,
+    buckets: Sequence[BucketPolicies] = (),
     pacer: Pacer | None = None,
     each: Callable[[FlushOutcome], None] | None = None,
 ) -> FlushRun:
-    """What a restarted runner does in the background, in the foreground: every pending flush, oldest
-    first (each target as its own outcome, passed to ``each`` as it ends), then retention on every tier.
+    """What a restarted runner does in the background, in the foreground: every pending flush along the
+    flush graph of ``tiers`` and ``buckets``, oldest first, each from the copy nearest its target (each
+    target as its own outcome, passed to ``each`` as it ends), then retention on every tier. Each target
+    is paced to its flush ``bandwidth``, or all of them together to ``pacer`` when given.
 
     Holds the writer lock of each source tier meanwhile: InUseError (naming the host and pid) if a
     runner writes it, since that runner resumes these flushes itself. Leftover partial directories on
     a source tier are removed then (nobody writes them while its writer lock is held here).
     """
     run = FlushRun()
-    pending = pending_flushes(tiers, source)
-    by_name = {p.tier.name: p.tier for p in tiers}
+    graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])
+    pending = pending_flushes(tiers, graph=graph)
+    targets: Mapping[str, AnyTier] = {**{p.tier.name: p.tier for p in tiers}, **{b.tier.name: b.tier for b in buckets}}
+    pacers = {edge.target: pacer or Pacer(edge.policy.bandwidth) for edge in graph.edges}
     sources = {p.source.name: p.source for p in pending}
     claims = []
     try:
@@ -154,14 +188,15 @@ def flush_by_hand(
             for name in item.targets:
                 outcome = FlushOutcome(item.step, item.source.name, name)
                 try:
-                    outcome.report = migrate(item.step, item.source, by_name[name], pacer=pacer)
+                    outcome.report = transfer(item.step, item.source, targets[name], pacer=pacers[name])
+                    note_received([p.tier for p in tiers], item.step, name, item.source)
                 except Exception as exc:  # reported per step; the other steps are still flushed
                     outcome.error = f"{type(exc).__name__}: {exc}"
                     outcome.damaged = give_up_if_damaged(item.source, item.step, name, exc)
                 run.outcomes.append(outcome)
                 if each is not None:
                     each(outcome)
-        run.pruned = prune(tiers)
+        run.pruned = prune(tiers, graph=graph)
     finally:
         for claim in claims:
             claim.release()

@@ -20,7 +20,8 @@ Positive = Annotated[int, Field(ge=1)]
 
 class _Policy(BaseModel):
     # Typos in a retention block must fail loudly: a silently ignored `keep-last` deletes data.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # populate_by_name: code builds them by field name (FlushPolicy(source=...)), the YAML by alias.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class RetentionPolicy(_Policy):
@@ -52,7 +53,8 @@ class RetentionPolicy(_Policy):
 
 
 class FlushPolicy(_Policy):
-    """Background copies into this tier from the tier the pipeline persists to.
+    """Background copies into this tier from one faster tier: ``from`` (by default the tier the pipeline
+    persists to; tiers/due.py has the rule every flush and retention follow).
 
     ``every``: the tier receives checkpoints whose step is a multiple of it (1 = all; with a
     checkpoint every N steps, ``every: k*N`` is every k-th checkpoint). ``workers``: checkpoints
@@ -63,6 +65,8 @@ class FlushPolicy(_Policy):
     what is missing. A flush that still fails keeps its source copy pinned (retention keeps it).
     """
 
+    # ``from`` in the YAML (a Python keyword): the source tier; None until the config loader names it.
+    source: str | None = Field(default=None, alias="from")
     every: Positive = 1
     workers: Positive = 1
     bandwidth: Annotated[ByteSize, Field(gt=0)] | None = None

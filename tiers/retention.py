@@ -4,14 +4,14 @@ A step is deleted from a tier only if all of these hold:
 
 - the tier's :class:`~tiers.policy.RetentionPolicy` does not keep it;
 - it is not the newest committed step on any tier (whatever the policy, the latest progress stays);
-- it is not the last copy of a checkpoint some tier is still due to receive: a step another tier's
-  flush policy selects and that tier has not received (its flush is pending, running or failed)
-  stays where it is. A tier that received a copy and later let it go (its own retention pruned
-  it) is no longer due: each copy published on another tier by a flush or a migration is noted
-  in the source copy's directory (a ``received-TIER.json`` receipt, which goes with that copy).
-  Nor is a tier whose flush of that copy can never succeed because the copy itself is damaged
-  (an ``unflushable-TIER.json`` note, written once the damage is confirmed by a verification):
-  the failure is reported once, and the copy goes by its tier's rule instead of being pinned forever;
+- it is not the copy that feeds a tier the checkpoint is still due on (tiers/due.py: a tier
+  downstream in the flush graph whose flush selects the step and that has not received it; its
+  flush is pending, running or failed). A tier that received the checkpoint and later let it go
+  (its own retention pruned it) is no longer due: its receipt (``received-TIER.json``) is in every
+  copy. Nor is a tier whose flush of that copy can never succeed because the copy itself is
+  damaged (an ``unflushable-TIER.json`` note, written once the damage is confirmed by a
+  verification): the failure is reported once, and the copy goes by its tier's rule instead of
+  being pinned forever;
 - nobody is reading it (restore, migrate, flush, verify, export hold a shared lock; see
   :mod:`tiers.locks`).
 
@@ -33,24 +33,20 @@ kept``, for a person to look at and remove by hand; none is ever followed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import faults
+from .due import FlushGraph, StepCopies, copies_of, fed_by, holdings
 from .filesystem import DELETING_SUFFIX, PARTIAL_SUFFIX, FilesystemTier, InvalidEntry, fsync_dir
-from .format import now_iso
 from .locks import InUseError, exclusive
 from .policy import FlushPolicy, RetentionPolicy
-from .safeopen import remove, write_durably
-
-RECEIPT_PREFIX = "received-"
-UNFLUSHABLE_PREFIX = "unflushable-"
+from .safeopen import remove
 
 
 @dataclass(frozen=True)
@@ -87,86 +83,47 @@ def delete_step(tier: FilesystemTier, step: int) -> None:
         shutil.rmtree(doomed)
 
 
-def _receipt(directory: Path, receiver: str, prefix: str = RECEIPT_PREFIX) -> Path:
-    return directory / f"{prefix}{receiver}.json"
-
-
-def record_receipt(source: FilesystemTier, step: int, receiver: str) -> None:
-    """Note in ``source``'s copy of ``step`` that tier ``receiver`` holds it now (published there).
-
-    The note lives and dies with that copy, and says which checkpoint was received, not which step
-    number: a step number that a rolled-back run commits again is a new copy without receipts.
-    """
-    body = {"tier": receiver, "received_at": now_iso()}
-    write_durably(_receipt(source.step_dir(step), receiver), json.dumps(body).encode())
-
-
-def record_unflushable(source: FilesystemTier, step: int, receiver: str, problem: str) -> None:
-    """Note in ``source``'s copy of ``step`` that it can never be flushed to ``receiver``: the copy is
-    damaged (``problem`` says where). Retention then no longer pins it for ``receiver``, and nobody
-    tries the flush again; like a receipt, the note goes with the copy."""
-    body = {"tier": receiver, "given_up_at": now_iso(), "problem": problem}
-    write_durably(_receipt(source.step_dir(step), receiver, UNFLUSHABLE_PREFIX), json.dumps(body).encode())
-
-
-def _received(holders: Sequence[FilesystemTier], step: int, receiver: str) -> bool:
-    """Whether tier ``receiver`` has received ``step`` from a copy one of ``holders`` still holds, or
-    that copy is noted as one it can never receive (damaged)."""
-    return any(
-        _receipt(tier.step_dir(step), receiver, prefix).is_file()
-        for tier in holders
-        for prefix in (RECEIPT_PREFIX, UNFLUSHABLE_PREFIX)
-    )
-
-
-def due_on(
-    policies: TierPolicies, step: int, everyone: Sequence[TierPolicies], holdings: Mapping[str, set[int]]
-) -> list[str]:
-    """The tiers other than ``policies``' own whose flush policy selects ``step`` and that have not
-    received it (nor been given it up as unflushable); ``holdings``: every tier's committed steps."""
-    holders = [p.tier for p in everyone if step in holdings[p.tier.name]]
-    return [
-        other.tier.name
-        for other in everyone
-        if other is not policies
-        and other.flush
-        and other.flush.due(step)
-        and step not in holdings[other.tier.name]
-        and not _received(holders, step, other.tier.name)
-    ]
+def graph_of(tiers: Sequence[TierPolicies], buckets: Sequence[tuple[str, FlushPolicy | None]] = ()) -> FlushGraph:
+    """The flush graph of ``tiers`` (fastest first) and of the buckets' ``(name, flush)``; a flush policy
+    without ``from`` (built by hand: the config loader names every source) flushes from the first tier."""
+    default = tiers[0].tier.name if tiers else None
+    return FlushGraph.of([*((p.tier.name, p.flush) for p in tiers), *buckets], default)
 
 
 def _hold_reason(
-    policies: TierPolicies,
-    step: int,
-    steps: list[int],
-    newest: int,
-    everyone: Sequence[TierPolicies],
-    holdings: dict[str, set[int]],
+    policies: TierPolicies, step: int, steps: list[int], newest: int, graph: FlushGraph, copies: StepCopies
 ) -> str | None:
     kept = policies.retention.keeps(step, steps)
     if kept:
         return kept
     if step == newest:
         return "the newest checkpoint"
-    due = due_on(policies, step, everyone, holdings)
+    due = fed_by(graph, policies.tier.name, copies)
     if due:
         return f"last copy: due on {', '.join(due)} and not flushed there yet"
     return None
 
 
-def prune(tiers: Sequence[TierPolicies], dry_run: bool = False, only: Collection[str] | None = None) -> list[Decision]:
-    """Apply each tier's retention policy (on the tiers named in ``only``, default all)."""
-    holdings = {p.tier.name: set(p.tier.steps()) for p in tiers}
-    newest = max((s for held in holdings.values() for s in held), default=-1)
+def prune(
+    tiers: Sequence[TierPolicies],
+    dry_run: bool = False,
+    only: Collection[str] | None = None,
+    graph: FlushGraph | None = None,
+) -> list[Decision]:
+    """Apply each tier's retention policy (on the tiers named in ``only``, default all); ``graph``: what
+    is due where (tiers/due.py), by default that of ``tiers`` alone."""
+    graph = graph_of(tiers) if graph is None else graph
+    dirs = [p.tier for p in tiers]
+    held = holdings(dirs)
+    newest = max((s for steps in held.values() for s in steps), default=-1)
     decisions: list[Decision] = []
     for policies in tiers:
         name = policies.tier.name
         if (only is not None and name not in only) or not policies.retention.active:
             continue
-        steps = sorted(holdings[name])
+        steps = sorted(held[name])
         for step in steps:
-            reason = _hold_reason(policies, step, steps, newest, tiers, holdings)
+            reason = _hold_reason(policies, step, steps, newest, graph, copies_of(step, dirs, held))
             if reason is None and not dry_run:
                 try:
                     delete_step(policies.tier, step)
@@ -177,7 +134,7 @@ def prune(tiers: Sequence[TierPolicies], dry_run: bool = False, only: Collection
                 except OSError as exc:  # a read-only or failing tier: the others are still pruned
                     reason = f"cannot delete: {exc.strerror or exc}"
             if reason is None:
-                holdings[name].discard(step)
+                held[name].discard(step)
             decisions.append(
                 Decision(name, step, reason is None, reason or f"not kept by {policies.retention.describe()}")
             )

@@ -152,7 +152,13 @@ class S3Tier:
             report.outcome = "already there"
             return report
         own = manifest.node_part
-        self.claim(step, manifest.created, own.nodes if own is not None else ())
+        try:
+            self.claim(step, manifest.created, own.nodes if own is not None else ())
+        except TierError as exc:  # published meanwhile: by another writer of this very checkpoint, it is received
+            if exc.errno == errno.EEXIST and self._holds_it(source, manifest):
+                report.outcome = "already there"
+                return report
+            raise
         if own is not None:  # the claim is the step's, shared by its nodes and released by the one that publishes
             report.files, report.bytes = self.upload_files(source, manifest, progress)
             self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(manifest))
@@ -161,6 +167,10 @@ class S3Tier:
         try:
             report.files, report.bytes = self.upload_files(source, manifest, progress)
             self.publish(manifest)
+        except CheckpointExistsError:  # another writer of the same checkpoint (a migrate, a push) came first
+            if not self._holds_it(source, manifest):
+                raise
+            report.outcome = "already there"
         finally:
             self.release(step)
         return report

@@ -32,7 +32,7 @@ from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node
 from ..tiers.objstore import ObjectStore
-from ..tiers.policy import RetentionPolicy
+from ..tiers.policy import FlushPolicy, RetentionPolicy
 from ..tiers.retention import TierPolicies
 from ..tiers.s3tier import S3Tier
 
@@ -78,18 +78,29 @@ def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[T
     return tiers
 
 
-def _bucket(name: str, url: str, endpoint: str | None, region: str | None, keep: RetentionPolicy) -> BucketPolicies:
+def _bucket(
+    name: str,
+    url: str,
+    endpoint: str | None,
+    region: str | None,
+    keep: RetentionPolicy,
+    flush: FlushPolicy | None = None,
+) -> BucketPolicies:
     store = ObjectStore(name, url, endpoint_url=endpoint, region=region)
     store.check()
-    return BucketPolicies(S3Tier(name, store), keep)
+    return BucketPolicies(S3Tier(name, store), keep, flush)
 
 
 def load_buckets(args: argparse.Namespace) -> list[BucketPolicies]:
-    """The buckets of ``--config`` (``kind: s3``, with their retention) and of ``--tier NAME=s3://...``."""
+    """The buckets of ``--config`` (``kind: s3``, with their retention and flush; the persist bucket is
+    published to, never flushed to) and of ``--tier NAME=s3://...``."""
     buckets = []
     if args.config:
-        for name, spec in load_config(args.config).buckets.items():
-            buckets.append(_bucket(name, spec.url, spec.endpoint_url or args.endpoint_url, spec.region, spec.retention))
+        config = load_config(args.config)
+        for name, spec in config.buckets.items():
+            endpoint = spec.endpoint_url or args.endpoint_url
+            flush = spec.flush if name != config.persist_bucket else None
+            buckets.append(_bucket(name, spec.url, endpoint, spec.region, spec.retention, flush))
     for spec in args.tier or []:
         if _is_bucket(spec):
             name, _, url = spec.partition("=")

@@ -24,7 +24,7 @@ from tierstate.errors import TierstateError
 from ..pipeline.config import ConfigError
 from ..pipeline.packaged import packaged_config, packaged_configs
 from ..tiers import commands
-from ..tiers.bucketcmds import AnyTier, bucket_entries, bucket_garbage
+from ..tiers.bucketcmds import bucket_entries, bucket_garbage
 from ..tiers.commands import Pruning, UsageError
 from ..tiers.convert import Format
 from ..tiers.export import ExportFormat
@@ -34,8 +34,9 @@ from ..tiers.hfdir import MAX_SHARD_SIZE
 from ..tiers.pacing import Pacer
 from ..tiers.pending import flush_by_hand, mark_pending
 from ..tiers.policy import RetentionPolicy
-from ..tiers.retention import collect_garbage
+from ..tiers.retention import collect_garbage, graph_of
 from ..tiers.stored import Location
+from ..tiers.transfer import AnyTier
 from . import options, render
 from .progress import byte_progress
 from .s3 import run_s3
@@ -49,7 +50,8 @@ def _ls(args: argparse.Namespace) -> int:
     policies, buckets = options.split(options.every_tier(args))
     tiers = [p.tier for p in policies]
     options.must_exist(tiers)
-    entries = mark_pending(commands.list_checkpoints(tiers), policies)
+    graph = graph_of(policies, [(b.tier.name, b.flush) for b in buckets])
+    entries = mark_pending(commands.list_checkpoints(tiers), policies, graph)
     entries += [entry for bucket in buckets for entry in bucket_entries(bucket.tier)]
     return render.checkpoints(entries, [t.tier.name for t in [*policies, *buckets]], args.json)
 
@@ -137,10 +139,10 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _flush(args: argparse.Namespace) -> int:
-    tiers = options.tiers_of(args)
+    tiers, buckets = options.split(options.every_tier(args))
     options.must_exist([p.tier for p in tiers])
     pacer = Pacer(options.size(args.bandwidth, "--bandwidth")) if args.bandwidth else None
-    return render.flushes(flush_by_hand(tiers, pacer=pacer), args.json)
+    return render.flushes(flush_by_hand(tiers, buckets, pacer=pacer), args.json)
 
 
 def _gc(args: argparse.Namespace) -> int:
