@@ -248,7 +248,8 @@ class Flusher:
             copy = functools.partial(transfer, align=self._align, pacer=target.pacer)
             report = await run_blocking(self._pool, copy, step, source, target.tier)
             if not report.waiting_for:
-                await run_blocking(self._pool, note_received, self._tiers, step, target.tier.name, source)
+                received = functools.partial(note_received, graph=self._graph)
+                await run_blocking(self._pool, received, self._tiers, step, target.tier.name, source)
             return report
 
     async def _pruned_after(self, target: _Target) -> None:

@@ -31,6 +31,8 @@ POINTS = (
     "commit.rename",
     "migrate.frame",
     "prune.delete",
+    "s3.object",
+    "s3.part",
 )
 
 Handler = Callable[[Path | None], None]

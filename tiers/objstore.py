@@ -218,11 +218,12 @@ class ObjectStore:
         """The first ``size`` bytes of open file ``fd`` as one object: multipart when larger than a part,
         its parts uploaded in parallel, each with its CRC32 checked by the server. A failed upload is
         aborted; one cut short by a kill is left for gc (:meth:`uploads`). Fault point ``s3.part`` is
-        reached after each part is uploaded."""
+        reached after each part is uploaded, ``s3.object`` after an object put whole."""
         advance = progress or (lambda _n: None)
         if size <= self.part_size:
             self.put_bytes(name, os.pread(fd, size, 0) if size else b"")
             advance(size)
+            faults.point("s3.object")  # TIERSTATE_FAULT=s3.object@N: SIGKILL between the objects of a step
             return
         part_size = max(self.part_size, -(-size // _MAX_PARTS))
         key = self.key(name)

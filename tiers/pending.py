@@ -88,9 +88,12 @@ def mark_pending(
     return entries
 
 
-def note_received(tiers: Sequence[FilesystemTier], step: int, receiver: str, source: FilesystemTier) -> None:
+def note_received(
+    tiers: Sequence[FilesystemTier], step: int, receiver: str, source: FilesystemTier, graph: FlushGraph
+) -> None:
     """``receiver`` published ``step`` from ``source``'s copy: the receipt goes into every copy of that very
-    checkpoint among ``tiers``, so that none of them is taken as due there once ``receiver`` lets it go.
+    checkpoint among ``tiers`` that ``receiver`` is downstream of (the copies that could be taken as due
+    there), so that none of them is once ``receiver`` lets it go, whichever copy the flush read.
 
     A copy that cannot take the note (read-only, full, gone meanwhile) stays pinned: the safe side, and no
     reason to fail a copy that is published and verified.
@@ -100,7 +103,7 @@ def note_received(tiers: Sequence[FilesystemTier], step: int, receiver: str, sou
     except (OSError, ManifestError):
         return
     for tier in tiers:
-        if tier.name == receiver:
+        if not graph.carries(tier.name, receiver, step) and tier.name != source.name:
             continue
         try:
             if tier.name == source.name or same_checkpoint(tier.manifest(step), published):
@@ -189,7 +192,7 @@ def flush_by_hand(
                 outcome = FlushOutcome(item.step, item.source.name, name)
                 try:
                     outcome.report = transfer(item.step, item.source, targets[name], pacer=pacers[name])
-                    note_received([p.tier for p in tiers], item.step, name, item.source)
+                    note_received([p.tier for p in tiers], item.step, name, item.source, graph)
                 except Exception as exc:  # reported per step; the other steps are still flushed
                     outcome.error = f"{type(exc).__name__}: {exc}"
                     outcome.damaged = give_up_if_damaged(item.source, item.step, name, exc)

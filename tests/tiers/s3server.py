@@ -82,14 +82,21 @@ def minio_server(binary: str) -> Iterator[str]:
         shutil.rmtree(data, ignore_errors=True)
 
 
+# What the proxy answers for a fault: the status and the S3 error code.
+_ERRORS = {"503": (503, "SlowDown"), "500": (500, "InternalError"), "403": (403, "AccessDenied")}
+
+
 class FaultyProxy:
     """Forwards HTTP to ``upstream``; ``plan`` holds what to do to the next requests, one entry each:
     ``"drop"`` closes the connection without an answer, ``"503"`` answers 503 SlowDown, ``"pass"``
-    forwards. Requests past the plan are forwarded. ``seen`` counts the requests that arrived."""
+    forwards. Requests past the plan get ``failing`` (the server down for a while: any of those actions,
+    ``"500"`` InternalError or ``"403"`` AccessDenied), or are forwarded while it is None. ``seen``
+    counts the requests that arrived."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.plan: list[str] = []
+        self.failing: str | None = None
         self.seen = 0
         self._lock = threading.Lock()
         proxy = self
@@ -105,14 +112,15 @@ class FaultyProxy:
                 body = self.rfile.read(length) if length else b""
                 with proxy._lock:
                     proxy.seen += 1
-                    action = proxy.plan.pop(0) if proxy.plan else "pass"
+                    action = proxy.plan.pop(0) if proxy.plan else proxy.failing or "pass"
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if action == "503":
-                    answer = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
+                if action in _ERRORS:
+                    status, code = _ERRORS[action]
+                    answer = f"<Error><Code>{code}</Code><Message>{code} (s3server.py)</Message></Error>".encode()
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(answer)))
                     self.end_headers()
