@@ -183,13 +183,16 @@ def train(
     fault: str | None,
     conn: multiprocessing.connection.Connection,
     extra: Mapping[str, Any],
+    env: Mapping[str, str],
 ) -> None:
     """Checkpoint steps ``first .. first+count-1``, reporting each request and each durable step.
 
     Runs in a child process; ``fault`` (``POINT@N``) makes it SIGKILL itself at that fault point;
-    ``extra`` are config overrides (flush and retention policies).
+    ``extra`` are config overrides (flush and retention policies); ``env`` is set in the child (the
+    forkserver's own environment is the one it started with, not the test's now: S3 credentials).
     The state changes only after capture, as with the optimizer pre-hook of ``runner.attach``.
     """
+    os.environ.update(env)
     if fault:
         os.environ[faults.ENV] = fault
     runner = make_runner(Path(root), pipeline__stages__persist__bandwidth="48MiB", **extra)
@@ -246,11 +249,12 @@ def run_trainer(
     fault: str | None = None,
     kill_after: float | None = None,
     extra: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Trial:
     """Run :func:`train` in a child; with ``kill_after``, SIGKILL it that many seconds after its first request."""
     ctx = trainer_context()
     ours, theirs = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=train, args=(str(root), first, count, fault, theirs, dict(extra or {})))
+    child = ctx.Process(target=train, args=(str(root), first, count, fault, theirs, dict(extra or {}), dict(env or {})))
     child.start()
     theirs.close()
     requested: list[int] = []

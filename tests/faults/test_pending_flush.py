@@ -236,3 +236,26 @@ def test_ls_shows_pending_flushes_and_tierstate_flush_does_them(
     assert _tier(extra, "pfs").steps() == [1, 2] and _tier(extra, "nvme").steps() == [2]
     code, out = _cli(capsys, "flush", "--config", str(config))
     assert code == 0 and "nothing pending" in out
+
+
+def test_tierstate_flush_keeps_to_the_configured_bandwidth_and_never_copies_towards_a_faster_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The PFS's ``flush.bandwidth`` paces ``tierstate flush`` as it paces the runner; a step only the PFS
+    holds (NVMe pruned it) is no flush towards NVMe."""
+    extra = _layout(tmp_path, "nvme")
+    faultkit.write_steps(tmp_path, [1, 2], **{**extra, "tiers": {"nvme": {"path": str(tmp_path / "nvme")}}})
+    rate = 8 << 20
+    extra["tiers"]["pfs"]["flush"]["bandwidth"] = str(rate)
+    config = tmp_path / "tiers.yaml"
+    config.write_text(json.dumps({"tiers": extra["tiers"]}))
+    code, out = _cli(capsys, "flush", "--config", str(config), "--json")
+    assert code == 0, out
+    reports = [f["report"] for f in json.loads(out)["flushes"]]
+    assert [r["step"] for r in reports] == [1, 2]
+    copied = sum(r["bytes_copied"] for r in reports)
+    seconds = sum(r["seconds"] for r in reports)
+    assert copied > 2 * rate // 4 and copied / seconds <= rate * 1.05, (copied, seconds)
+    assert _tier(extra, "pfs").steps() == [1, 2] and _tier(extra, "nvme").steps() == [2]
+    code, out = _cli(capsys, "flush", "--config", str(config), "--json")
+    assert code == 0 and json.loads(out)["flushes"] == []  # step 1, on the PFS only, is not sent back to NVMe
