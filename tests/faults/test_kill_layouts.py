@@ -148,7 +148,7 @@ def test_kill_on_the_cluster_shape_at_a_flush_point(tmp_path: Path, point: str, 
 @pytest.mark.parametrize("seed", range(scaled(3)))
 def test_kill_on_the_cluster_shape_at_a_random_moment(tmp_path: Path, seed: int) -> None:
     tiers = _cluster(tmp_path)
-    delay = random.Random(3500 + seed).uniform(0.0, 0.6)
+    delay = random.Random(3500 + seed).uniform(0.0, 1.0)
     trial = run_trainer(tmp_path, 1, 8, kill_after=delay, extra=_extra(tiers))
     _campaign(tmp_path, tiers, "pfs", trial, "kill_cluster_random")
 
@@ -172,6 +172,6 @@ def test_kill_on_nvme_to_bucket_at_a_flush_point(
 @pytest.mark.parametrize("seed", range(scaled(2)))
 def test_kill_on_nvme_to_bucket_at_a_random_moment(tmp_path: Path, endpoint: str, bucket: str, seed: int) -> None:
     tiers = _bucket(tmp_path, endpoint, bucket)
-    delay = random.Random(3600 + seed).uniform(0.0, 0.6)
+    delay = random.Random(3600 + seed).uniform(0.0, 2.0)
     trial = run_trainer(tmp_path, 1, 8, kill_after=delay, extra=_extra(tiers), env=s3server.CREDENTIALS)
     _campaign(tmp_path, tiers, "bucket", trial, "kill_bucket_random")
