@@ -228,6 +228,8 @@ class Flusher:
                     return
             log.info("step %d flushed to %s: %d bytes in %.3f s", step, name, report.bytes_copied, report.seconds)
         if completer is None:  # a step a crashed run left: its other nodes' parts come as their runners resume
+            if report is not None and not report.waiting_for:
+                await self._received(step, target, source)
             await self._pruned_after(target)
             return
         if self._role.wait_s and (report is None or report.waiting_for):
@@ -236,21 +238,24 @@ class Flusher:
             except Exception as exc:  # reported, never raised into training
                 await self._failed(step, completer, name, source, exc, max(attempts, 1))
                 return
+        if report is not None:
+            await self._received(step, target, source)
         where = target.tier.location(step)  # a directory, or a bucket's prefix (named by its s3:// URL)
         completer.persisted(name, where if isinstance(where, Path) else str(where))
         self._onwards(step, target.tier, completer)
         await self._pruned_after(target)
 
     async def _copy(self, step: int, target: _Target, source: FilesystemTier) -> MigrateReport:
-        """One attempt at copying ``step`` to ``target``, as one of its ``workers``; once published there,
-        its receipt goes into every local copy of the step (tiers/due.py)."""
+        """One attempt at copying ``step`` to ``target``, as one of its ``workers``."""
         async with target.gate:
             copy = functools.partial(transfer, align=self._align, pacer=target.pacer)
-            report = await run_blocking(self._pool, copy, step, source, target.tier)
-            if not report.waiting_for:
-                received = functools.partial(note_received, graph=self._graph)
-                await run_blocking(self._pool, received, self._tiers, step, target.tier.name, source)
-            return report
+            return await run_blocking(self._pool, copy, step, source, target.tier)
+
+    async def _received(self, step: int, target: _Target, source: FilesystemTier) -> None:
+        """``target`` published ``step`` (the whole checkpoint, not only this node's part): its receipt goes
+        into every local copy of the step upstream of it (tiers/due.py)."""
+        received = functools.partial(note_received, graph=self._graph)
+        await run_blocking(self._pool, received, self._tiers, step, target.tier.name, source)
 
     async def _pruned_after(self, target: _Target) -> None:
         """Retention after a flush: on the local tiers, and on ``target`` if it is a bucket (its own rule)."""

@@ -54,6 +54,7 @@ class TransferReport:
     outcome: str  # "copied" or "already there"
     files: int = 0
     bytes: int = 0
+    waiting_for: list[str] = field(default_factory=list)  # a node's part: nodes whose parts are not there yet
 
 
 @dataclass
@@ -162,7 +163,7 @@ class S3Tier:
         if own is not None:  # the claim is the step's, shared by its nodes and released by the one that publishes
             report.files, report.bytes = self.upload_files(source, manifest, progress)
             self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(manifest))
-            self._publish_when_whole(step, own.nodes)
+            report.waiting_for = self._publish_when_whole(step, own.nodes)
             return report
         try:
             report.files, report.bytes = self.upload_files(source, manifest, progress)
@@ -195,19 +196,20 @@ class S3Tier:
             )
         return True
 
-    def _publish_when_whole(self, step: int, nodes: list[str]) -> None:
+    def _publish_when_whole(self, step: int, nodes: list[str]) -> list[str]:
         """A node's part of a multi-node checkpoint is in (its files, then its marker
         ``step-N/node-<name>.part``, the part's manifest): publish ``step`` if every node's marker is
         here, else leave it to the last node. So the parts meet under one prefix with no collective among
         the nodes, as on a shared directory tier (tiers/nodeparts.py): each node writes its marker before
         it looks, and listings are strongly consistent, so the last node to finish sees them all; two
         nodes publishing together put the same manifest, and the one that loses the conditional put finds
-        it there."""
+        it there. Returns the nodes whose parts are not here yet (none once published)."""
         prefix = self.step_prefix(step)
         markers = [part_marker(node) for node in nodes]
         listed = {o.name for o in self.store.list(prefix + PART_MARKER_PREFIX)}
-        if any(prefix + marker not in listed for marker in markers):
-            return
+        missing = [node for node, marker in zip(nodes, markers, strict=True) if prefix + marker not in listed]
+        if missing:
+            return missing
         read = [(marker, self.store.get_bytes(prefix + marker)) for marker in markers]
         whole = join_parts(step, [part_of_marker(data, m, step, self.store.where(prefix + m)) for m, data in read])
         try:
@@ -216,6 +218,7 @@ class S3Tier:
             if manifest_bytes(self.manifest(step)) != manifest_bytes(whole):
                 raise
         self.release(step)
+        return []
 
     def claim(self, step: int, created: str, nodes: Collection[str] = ()) -> None:
         """Claim ``step-N`` for the checkpoint created at ``created`` (by a job on ``nodes``) before

@@ -74,6 +74,7 @@ def _bucket_copy(
         step, source.name, target.name, sent.target, sent.outcome, frames,
         frames_copied=frames if copied else 0, frames_reused=0 if copied else frames,
         bytes_copied=sent.bytes, bytes_reused=0 if copied else manifest.stored_bytes,
+        waiting_for=list(sent.waiting_for),
     )  # fmt: skip
     if move:
         if isinstance(source, S3Tier):
