@@ -27,6 +27,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from ..pipeline.config import load_config, parse_tiers
 from ..pipeline.config_schema import TierConfig
 from ..pipeline.packaged import packaged_configs
+from ..suggest import did_you_mean
 from ..tiers.bucketcmds import BucketPolicies
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
@@ -145,8 +146,8 @@ def pick(tiers: Sequence[P], name: str, option: str) -> P:
     for policies in tiers:
         if policies.tier.name == name:
             return policies
-    known = ", ".join(t.tier.name for t in tiers)
-    raise UsageError(f"{option} {name}: no such tier (tiers: {known})")
+    known = [t.tier.name for t in tiers]
+    raise UsageError(f"{option} {name}: no such tier{did_you_mean(name, known)} (tiers: {', '.join(known)})")
 
 
 def select(tiers: Sequence[P], names: Sequence[str] | None, option: str) -> list[P]:
@@ -183,5 +184,6 @@ def choice(text: str | None, choices: Collection[T], option: str) -> T | None:
         if text == choice:
             return choice
     if text is not None:
-        raise UsageError(f"{option} {text!r}: expected one of {', '.join(map(str, choices))}")
+        names = list(map(str, choices))
+        raise UsageError(f"{option} {text!r}: expected one of {', '.join(names)}{did_you_mean(text, names)}")
     return None
