@@ -32,7 +32,7 @@ from ..tiers.bucketcmds import BucketPolicies
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node
-from ..tiers.objstore import ObjectStore
+from ..tiers.objstore import ObjectStore, endpoint_problem
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import TierPolicies
 from ..tiers.s3tier import S3Tier
@@ -79,6 +79,14 @@ def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[T
     return tiers
 
 
+def endpoint_url(args: argparse.Namespace) -> str | None:
+    """``--endpoint-url``, if given and a URL botocore takes (the error names the option)."""
+    problem = endpoint_problem(args.endpoint_url) if args.endpoint_url else None
+    if problem is not None:
+        raise UsageError(f"--endpoint-url {problem}")
+    return args.endpoint_url
+
+
 def _bucket(name: str, url: str, endpoint: str | None, region: str | None, keep: RetentionPolicy) -> BucketPolicies:
     store = ObjectStore(name, url, endpoint_url=endpoint, region=region)
     store.check()
@@ -90,17 +98,18 @@ def load_buckets(args: argparse.Namespace) -> list[BucketPolicies]:
     buckets = []
     if args.config:
         for name, spec in load_config(args.config).buckets.items():
-            buckets.append(_bucket(name, spec.url, spec.endpoint_url or args.endpoint_url, spec.region, spec.retention))
+            buckets.append(_bucket(name, spec.url, spec.endpoint_url or endpoint_url(args), spec.region,
+                                   spec.retention))  # fmt: skip
     for spec in args.tier or []:
         if _is_bucket(spec):
             name, _, url = spec.partition("=")
-            buckets.append(_bucket(name, url, args.endpoint_url, args.region, RetentionPolicy()))
+            buckets.append(_bucket(name, url, endpoint_url(args), args.region, RetentionPolicy()))
     return buckets
 
 
 def bucket_at(url: str, args: argparse.Namespace) -> BucketPolicies:
     """A bucket given by its URL alone (``tierstate inspect s3://...``), named ``bucket``."""
-    return _bucket("bucket", url, args.endpoint_url, args.region, RetentionPolicy())
+    return _bucket("bucket", url, endpoint_url(args), args.region, RetentionPolicy())
 
 
 def every_tier(args: argparse.Namespace) -> list[AnyPolicies]:

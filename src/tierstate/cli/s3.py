@@ -60,7 +60,8 @@ def run_s3(args: argparse.Namespace) -> int:
     from .progress import byte_progress
     from .render import size
 
-    tier = S3Tier("bucket", ObjectStore("bucket", args.url, endpoint_url=args.endpoint_url, region=args.region))
+    store = ObjectStore("bucket", args.url, endpoint_url=options.endpoint_url(args), region=args.region)
+    tier = S3Tier("bucket", store)
     tier.store.check()
     progress = byte_progress(not args.json)
     if args.action == "ls":
