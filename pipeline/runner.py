@@ -110,9 +110,9 @@ class Runner:
 
     One open runner writes a tier in a process: a second one built on a tier this one writes is refused
     (:class:`TierInUseError` naming this one) until this one is closed. A closed runner refuses everything
-    (:class:`RunnerClosedError`); ``with Runner.from_yaml() as runner:`` closes it at the block's end.
-    ``metrics()`` sums the run, ``history`` keeps the latest handles, ``flush_failures`` the background
-    copies that failed (final after ``close()``).
+    (:class:`RunnerClosedError`) but for what the run left: ``metrics()`` (the run summed), ``history`` (the
+    latest handles), ``flush_failures`` (the background copies that failed, final after ``close()``) and
+    ``steps()``; ``with Runner.from_yaml() as runner:`` closes it at the block's end.
     """
 
     def __init__(
@@ -353,7 +353,7 @@ class Runner:
         too); None on a first run. Collective with many ranks (every rank gets the same answer, or the same
         error if a rank could not list a tier: a step left out for that would be a wrong answer)."""
         held: set[int] = set()
-        self._refuse_if_closed("latest_step()")
+        self._refuse_if_closed("latest_step()")  # collective with many ranks: the closed runner's group is gone
         error = None
         try:
             held = {step for steps in self.steps().values() for step in steps}
@@ -503,8 +503,7 @@ class Runner:
         return self._buckets.tiers
 
     def steps(self) -> dict[str, list[int]]:
-        """Committed steps per tier, the buckets' included."""
-        self._refuse_if_closed("steps()")
+        """Committed steps per tier, the buckets' included; after ``close()`` too (what the run left)."""
         return {tier.name: tier.steps() for tier in [*self.tiers, *self._buckets.tiers]}
 
 
