@@ -42,17 +42,19 @@ if __package__ in (None, ""):  # run as a script: make the sibling `examples.gpt
     sys.path.insert(0, str(REPO_ROOT))
 
 from examples.gpt import GPT, GPTConfig, TokenStream  # noqa: E402
-from tierstate.pipeline.config import load_config  # noqa: E402
-from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult  # noqa: E402
-from tierstate.pipeline.runner import Runner  # noqa: E402
-from tierstate.providers import (  # noqa: E402
+from tierstate import (  # noqa: E402
+    CheckpointFailed,
+    CheckpointHandle,
+    CheckpointResult,
     ModuleProvider,
     ObjectProvider,
     OptimizerProvider,
     RNGProvider,
+    Runner,
     StatefulProvider,
     StateProvider,
     empty_init,
+    load_config,
     materialize,
 )
 

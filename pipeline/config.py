@@ -22,6 +22,8 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
+from tierstate.suggest import closest
+
 from .config_checks import semantic_problems
 from .config_errors import ConfigError, SemanticErrors, read_yaml, render, yaml_type
 from .config_schema import TIERS, ConfigSchema, TierConfig
@@ -65,8 +67,12 @@ def load_config(
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        hint = f"packaged configs, by name: {', '.join(packaged_configs())}; `tierstate init` writes an editable copy"
-        raise ConfigError(source, [f"file not found ({hint})"]) from None
+        packaged = packaged_configs()
+        # A bare name is a packaged config's: a mistyped one (``tierd``) is guessed at.
+        meant = closest(source.removesuffix(".yaml"), packaged) if source == path.name else None
+        guess = f"; did you mean the packaged config {meant!r}?" if meant else ""
+        hint = f"packaged configs, by name: {', '.join(packaged)}; `tierstate init` writes an editable copy"
+        raise ConfigError(source, [f"file not found{guess} ({hint})"]) from None
     except OSError as exc:
         raise ConfigError(source, [f"cannot read: {exc.strerror or exc}"]) from None
     return parse_config(text, source=source, overrides=overrides)

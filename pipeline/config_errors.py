@@ -11,16 +11,16 @@ it is given, so it needs no import of the schema (pipeline/config_schema.py), wh
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from tierstate.errors import TierstateError
+from tierstate.suggest import did_you_mean
 
 __all__ = ["ConfigError", "SemanticErrors", "read_yaml", "render", "yaml_type"]
 
@@ -140,7 +140,7 @@ def _describe(error: Mapping[str, Any], root: Any, at: tuple[str, ...]) -> list[
         return [(f"{path}.kind", f"missing; the stage name is not a kind, so set kind to one of {', '.join(tags)}")]
     if kind == "union_tag_invalid":
         tag = str(ctx["tag"])
-        return [(f"{path}.kind", f"must be one of {', '.join(tags)}, got {tag!r}{_did_you_mean(tag, tags)}")]
+        return [(f"{path}.kind", f"must be one of {', '.join(tags)}, got {tag!r}{did_you_mean(tag, tags)}")]
     if kind == "value_error":
         return [(path, error["msg"].removeprefix("Value error, "))]
     expected = f"must be {_EXPECTED[kind]}" if kind in _EXPECTED else error["msg"].replace("Input should be", "must be")
@@ -207,14 +207,8 @@ def _tag_of(model: Any) -> Any:
 
 def _unknown_key(key: str, owner: type[BaseModel] | None) -> str:
     valid = list(owner.model_fields) if owner else []
-    hint = _did_you_mean(key, valid)
+    hint = did_you_mean(key, valid)
     return f"unknown key{hint}" if hint or not valid else f"unknown key (valid keys: {', '.join(valid)})"
-
-
-def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """``; did you mean 'x'?`` for the closest candidate, or nothing when none is close."""
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def yaml_type(value: Any) -> str:

@@ -13,7 +13,7 @@ import copy
 import functools
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, overload
 
@@ -35,6 +35,7 @@ from pydantic import (
 
 from ..tiers.due import FlushGraph
 from ..tiers.nodes import expand_node
+from ..tiers.objstore import endpoint_problem, s3_url_problem
 from ..tiers.policy import FlushPolicy, RetentionPolicy
 from .config_errors import ConfigError, read_yaml
 from .packaged import DEFAULT_NAME, packaged_config
@@ -148,6 +149,18 @@ class TierConfig(_Strict):
         return os.path.abspath(os.path.expanduser(expand_node(os.fspath(value))))
 
 
+def _told(problem_of: Callable[[str], str | None]) -> Callable[[str], str]:
+    """A validator from a check that says what is wrong in words (an example, never a pattern)."""
+
+    def check(value: str) -> str:
+        problem = problem_of(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    return check
+
+
 class S3TierConfig(_Strict):
     """A tier in an S3-compatible bucket (AWS S3, MinIO, Ceph RGW, GCS's S3 API): ``kind: s3``.
 
@@ -164,8 +177,8 @@ class S3TierConfig(_Strict):
     """
 
     kind: Literal["s3"]
-    url: Annotated[str, StringConstraints(pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")]
-    endpoint_url: str | None = None
+    url: Annotated[str, AfterValidator(_told(s3_url_problem))]
+    endpoint_url: Annotated[str, AfterValidator(_told(endpoint_problem))] | None = None
     region: str | None = None
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None

@@ -45,6 +45,7 @@ from .distributed import DistributedCommit, group_for_runner
 from .flush import Flusher, FlushFailure, FlushRole
 from .fresh import start_fresh
 from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
+from .holders import built_at, hold
 from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, release_copies, unwrap_optimizer
 from .metrics import CheckpointStats, RunMetrics
@@ -56,7 +57,7 @@ from .restore import RestoreResult, nearest_first
 from .room import Room
 from .solo import SoloGroup
 from .stages.capture import SlabCopier
-from .tierpaths import check_tier_paths
+from .tierpaths import check_tier_paths, warn_unbounded, written_tiers
 from .trace import marks
 from .units import run_blocking
 
@@ -64,7 +65,7 @@ log = logging.getLogger("tierstate")
 
 
 class RunnerClosedError(TierstateError, RuntimeError):
-    """A checkpoint was requested from a runner that is closed, or that a forked child inherited."""
+    """A runner that is closed, or that a forked child inherited, was asked to do something."""
 
 
 def _first_leaf(error: BaseException) -> BaseException:
@@ -75,6 +76,45 @@ def _first_leaf(error: BaseException) -> BaseException:
 
 
 class Runner:
+    """Checkpoints of a training process's state, taken while it trains: asynchronous, across storage tiers.
+
+    Build one per training process from a pipeline config (``Runner.from_yaml()``: the packaged default,
+    tiers under ./checkpoints; ``from_yaml("tiered")`` another packaged one by name; ``from_yaml("my.yaml")``
+    a file; ``from_dict({...})`` a mapping), register what to checkpoint, restore on a restart, checkpoint
+    as the loop goes, and close it at the end::
+
+        runner = Runner.from_yaml()
+        runner.register(model=model, optim=opt, sched=scheduler)   # modules, optimizers, state_dict() owners
+        try:
+            runner.restore("latest")            # a restart goes on from the newest checkpoint
+        except NothingToRestoreError:
+            pass                                # a first run
+        for step in range(start, steps):
+            ...
+            handle = runner.checkpoint(step)    # returns at once
+        runner.close()                          # every checkpoint durable, or reported failed
+
+    ``checkpoint(step)`` returns at once: the copies of parameters and optimizer state run while the next
+    forward/backward does, and a registered (or ``attach``-ed) optimizer's ``step()`` waits only while they
+    are pending; a pipeline of threads then writes, checksums and commits the checkpoint on the persist tier,
+    and flushes it on to slower tiers in the background. Its handle tells how it went (``handle.result()``
+    waits and raises :class:`CheckpointFailed`; ``handle.stats`` what it cost). A checkpoint that fails
+    once requested never raises into the training loop: its handle and the ``tierstate`` log say why, and
+    the previous checkpoint stays. Mistakes raise where they are made: a config or tier path that cannot
+    work when the runner is built, an unusable step (``InvalidStepError``), a step the persist tier holds
+    already (``CheckpointExistsError``: restore first) or nothing registered at the call.
+
+    ``restore(which)`` loads a committed checkpoint (``"latest"`` or a step) into the registered state in
+    place, from the nearest tier holding a verified copy. With torch.distributed on several ranks every rank
+    builds its runner at the same point and the runners commit and restore together.
+
+    One open runner writes a tier in a process: a second one built on a tier this one writes is refused
+    (:class:`TierInUseError` naming this one) until this one is closed. A closed runner refuses everything
+    (:class:`RunnerClosedError`) but for what the run left: ``metrics()`` (the run summed), ``history`` (the
+    latest handles), ``flush_failures`` (the background copies that failed, final after ``close()``) and
+    ``steps()``; ``with Runner.from_yaml() as runner:`` closes it at the block's end.
+    """
+
     def __init__(
         self,
         config: PipelineConfig,
@@ -89,7 +129,13 @@ class Runner:
         collective waits for the slowest rank before the checkpoint fails; ``history_size``: how many
         of the latest checkpoints ``history`` keeps (a long run must not keep them all)."""
         self.config = config
+        self._closed = False
+        self._built = False  # until the end of __init__: a runner whose construction failed holds no tier
+        self._built_at = built_at()
         check_tier_paths(config)  # a bad tier path fails here, not at the first checkpoint
+        # A second open runner of this process on a tier this one writes fails here, not at its first checkpoint.
+        hold(self, [(name, config.tiers[name].path) for name in written_tiers(config)])
+        warn_unbounded(config)
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
@@ -120,7 +166,6 @@ class Runner:
         self._thread.start()
         self._inflight: HandleCompleter | None = None
         self._lock = threading.Lock()
-        self._closed = False
         self._owner_pid = os.getpid()
         # The latest checkpoints that reached the pipeline, oldest first, with their stats (``handle.stats``).
         self.history: collections.deque[tuple[CheckpointHandle, CheckpointStats]] = collections.deque(
@@ -148,6 +193,21 @@ class Runner:
         # No public API runs a hook at that moment, hence threading's private one.
         threading._register_atexit(_close_at_exit, weakref.ref(self))  # noqa: SLF001  # pyright: ignore[reportAttributeAccessIssue]
         _RUNNERS.add(self)
+        self._built = True
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        persist = self.config.persist_tier
+        return f"<Runner writing {persist} ({self.config.tiers[persist].path}), built at {self._built_at}, {state}>"
+
+    @property
+    def closed(self) -> bool:
+        """Whether the runner takes no more calls: closed (``close()``, a forked child's copy), or not built."""
+        return self._closed or not self._built
+
+    def _refuse_if_closed(self, call: str) -> None:
+        if self._closed:
+            raise RunnerClosedError(f"runner.{call}: {self._closed_reason()}")
 
     @classmethod
     def from_yaml(
@@ -181,6 +241,7 @@ class Runner:
         :class:`OptimizerProvider`), is attached too (see ``attach``).
         Nothing is registered if any value fits no provider.
         """
+        self._refuse_if_closed("register()")
         providers = {name: provider_for(name, value) for name, value in state.items()}
         self.providers.add_all(providers)  # a name taken already: ProviderNameError, nothing registered
         for provider in providers.values():
@@ -195,6 +256,7 @@ class Runner:
         tensors, which the plan may take as listed at the request (plan_cache.py). Wrapped optimizers
         (accelerate's, Lightning's) are unwrapped; attaching one optimizer twice installs one of each hook.
         """
+        self._refuse_if_closed("attach()")
         inner = unwrap_optimizer(optimizer)
         if self._rules.attach(inner):
             inner.register_step_pre_hook(self._before_step)
@@ -233,8 +295,7 @@ class Runner:
         reported on the handle and in the log, never raised here.
         """
         started = time.perf_counter()
-        if self._closed:
-            raise RunnerClosedError(self._closed_reason())
+        self._refuse_if_closed(f"checkpoint({step!r})")
         step = checked_step(step, self.durable_tier, self._group is not None, bool(self.providers.children))
         durable_on = self._buckets.persist_bucket or self.config.persist_tier  # a bucket, published from its staging
         completer = HandleCompleter(step, [durable_on, *self._flusher.due(step)], self._count)
@@ -292,6 +353,7 @@ class Runner:
         too); None on a first run. Collective with many ranks (every rank gets the same answer, or the same
         error if a rank could not list a tier: a step left out for that would be a wrong answer)."""
         held: set[int] = set()
+        self._refuse_if_closed("latest_step()")  # collective with many ranks: the closed runner's group is gone
         error = None
         try:
             held = {step for steps in self.steps().values() for step in steps}
@@ -311,6 +373,7 @@ class Runner:
         No thread is held while it waits, and under ``in_flight: wait`` the previous checkpoint is
         awaited here rather than waited for inside ``checkpoint()``, which would block the event loop.
         """
+        self._refuse_if_closed(f"acheckpoint({step!r})")
         if self.config.policies.in_flight == "wait":
             while (previous := self._inflight) is not None and not previous.handle.done():
                 await _settled(previous.handle)
@@ -360,6 +423,7 @@ class Runner:
         Tiers holding an earlier run's checkpoints would mix with it (pipeline/fresh.py): this raises
         :class:`ExistingCheckpointsError` naming them, or with ``set_aside=True`` renames them aside
         (kept, never listed or restored); what they held, by tier."""
+        self._refuse_if_closed("start_fresh()")
         self.wait()
         return start_fresh(self.tiers, self._buckets.tiers, self._group, self._flusher.drain, set_aside)
 
@@ -371,6 +435,7 @@ class Runner:
 
         ``fallback=True``: if no copy of ``which`` reads clean, take the newest older step that does.
         """
+        self._refuse_if_closed(f"restore({which!r})")
         self.wait()
         allow_pickle = self.config.policies.allow_pickle
         returned = None
@@ -413,7 +478,10 @@ class Runner:
                 f"runner of process {self._owner_pid} is closed in its forked child {os.getpid()}: "
                 "only the process that made a runner checkpoints through it"
             )
-        return "runner is closed"
+        return (
+            "this runner is closed (close() was called, or its with-block ended): it checkpoints, registers and "
+            "restores no more; build a new one (Runner.from_yaml(...)) to go on: it restores from the same tiers"
+        )
 
     def disown(self) -> None:
         """In a forked child: the loop thread, the pools and the checkpoint in flight stayed with the parent."""
@@ -432,7 +500,7 @@ class Runner:
         return self._buckets.tiers
 
     def steps(self) -> dict[str, list[int]]:
-        """Committed steps per tier, the buckets' included."""
+        """Committed steps per tier, the buckets' included; after ``close()`` too (what the run left)."""
         return {tier.name: tier.steps() for tier in [*self.tiers, *self._buckets.tiers]}
 
 

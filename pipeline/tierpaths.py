@@ -16,11 +16,17 @@ the runner writes (the persist tier, a tier with ``flush``, a tier whose ``reten
 
 A tier the runner only reads (restore from a read-only archive) need not be writable nor exist,
 but must not be a file. Every error is a :class:`TierError` naming the tier and the path.
+
+A tier that receives checkpoints (the persist tier, a flush target, a bucket) and has no ``retention``
+keeps every one of them: its disk fills as training goes on (a checkpoint every 2 steps wrote 8.7 GB
+in 12 s). That is allowed (an archive keeps everything on purpose) but said, once per runner, naming the
+key to set (:func:`warn_unbounded`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -29,12 +35,30 @@ from ..tiers.filesystem import TierError
 from ..tiers.ownership import ownership_problem
 from .config import PipelineConfig
 
+log = logging.getLogger("tierstate")
+
 
 def written_tiers(config: PipelineConfig) -> set[str]:
     """The tiers this runner's checkpoints, flushes or retention write to."""
     written = {config.persist_tier}
     written |= {name for name, tier in config.tiers.items() if tier.flush is not None or tier.retention.active}
     return written
+
+
+def warn_unbounded(config: PipelineConfig) -> None:
+    """A warning on the ``tierstate`` logger for each tier that receives checkpoints and keeps them all."""
+    receiving = {config.persist_tier} | {name for name, tier in config.tiers.items() if tier.flush is not None}
+    unbounded = [name for name in config.tiers if name in receiving and not config.tiers[name].retention.active]
+    unbounded += [
+        name for name, bucket in config.buckets.items()
+        if (bucket.flush is not None or name == config.persist_bucket) and not bucket.retention.active
+    ]  # fmt: skip
+    for name in unbounded:
+        log.warning(
+            "tiers.%s has no retention: it keeps every checkpoint, so its storage fills as training goes on; "
+            "set tiers.%s.retention (e.g. {keep_last: 3}) to keep the newest only",
+            name, name,
+        )  # fmt: skip
 
 
 def check_tier_paths(config: PipelineConfig) -> None:

@@ -127,3 +127,30 @@ def test_the_cli_alone_prints_and_nothing_below_it_imports_it() -> None:
     layers = ("tierstate.pipeline", "tierstate.tiers", "tierstate.providers")
     upward = sorted(name for name, found in imports.items() if name.startswith(layers) and "tierstate" in found)
     assert upward == []  # nothing the facade exports takes a name (__version__ once did) from the facade
+
+
+def test_the_example_imports_only_public_names() -> None:
+    """examples/train_gpt.py is what a user copies: it imports tierstate's public names, never its internals."""
+    imported = [
+        (node.module, alias.name)
+        for path in (REPO / "examples").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tierstate")
+        for alias in node.names
+    ]  # fmt: skip
+    assert imported and {module for module, _ in imported} == {"tierstate"}
+    assert {name for _, name in imported} <= set(tierstate.__all__)
+
+
+def test_the_runner_explains_itself_in_help() -> None:
+    doc = inspect.getdoc(tierstate.Runner) or ""
+    for said in ("Runner.from_yaml()", "register(", "restore(\"latest\")", "checkpoint(step)", "close()",
+                 "NothingToRestoreError", "RunnerClosedError", "TierInUseError"):  # fmt: skip
+        assert said in doc, said
+
+
+def test_the_metadata_says_where_the_source_and_the_issues_are() -> None:
+    import tomllib
+
+    urls = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["urls"]
+    assert urls["Source"].startswith("https://") and urls["Issues"].startswith(urls["Source"])

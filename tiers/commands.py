@@ -124,10 +124,12 @@ def migrate_steps(
     fmt: Format | None = None,
     bandwidth: int | None = None,
     progress: Progress = no_progress,
+    each: Callable[[MigrateReport | MigrateFailure], None] | None = None,
 ) -> list[MigrateReport | MigrateFailure]:
     """Copy (``move``: then delete from ``source``) checkpoint ``step``, or every committed one
     when ``step`` is None, at most ``bandwidth`` bytes/s; each failure is named, the others go on.
-    Between a directory tier and a bucket (either way) the checkpoint moves as it is (no ``fmt``)."""
+    Between a directory tier and a bucket (either way) the checkpoint moves as it is (no ``fmt``).
+    Each step's result is also passed to ``each`` as it ends, so an interrupted run has said what it did."""
     available = source.steps()
     if step is not None and step not in available:
         raise UsageError(f"--from {source.name}: no committed checkpoint step {step} (in {where(source)})")
@@ -136,13 +138,17 @@ def migrate_steps(
         raise UsageError("--format: a bucket takes and gives checkpoints as they are; convert on a directory tier")
     pacer = Pacer(bandwidth) if bandwidth else None
     results: list[MigrateReport | MigrateFailure] = []
-    for each in available if step is None else [step]:
+    for number in available if step is None else [step]:
         try:
-            total = source.manifest(each).stored_bytes
-            with progress(f"step {each}", total) as advance:
-                results.append(transfer(each, source, target, move=move, fmt=fmt, pacer=pacer, progress=advance))
+            total = source.manifest(number).stored_bytes
+            with progress(f"step {number}", total) as advance:
+                report = transfer(number, source, target, move=move, fmt=fmt, pacer=pacer, progress=advance)
+            result: MigrateReport | MigrateFailure = report
         except (*FAILURES, InUseError) as exc:
-            results.append(MigrateFailure(each, source.name, target.name, str(exc)))
+            result = MigrateFailure(number, source.name, target.name, str(exc))
+        results.append(result)
+        if each is not None:
+            each(result)
     return results
 
 

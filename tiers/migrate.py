@@ -77,9 +77,9 @@ class MigrateReport:
 
     @property
     def gbps(self) -> float:
-        """Bytes brought onto the target (copied or found good) per second, in GB/s."""
-        moved = self.bytes_copied + self.bytes_reused
-        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Bytes copied onto the target per second, in GB/s. Frames a resumed copy found already there are
+        not counted: they were read back and verified, not moved, and would inflate the rate past the disk's."""
+        return self.bytes_copied / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "path": str(self.path), "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3)}

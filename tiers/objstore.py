@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from . import faults
 from .filesystem import CheckpointExistsError, TierError
@@ -59,15 +60,37 @@ class S3Url:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
-def parse_s3_url(url: str) -> S3Url:
-    """``s3://bucket[/prefix]``; ValueError (a TierstateError) naming the URL if it is not one."""
+def s3_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as ``s3://bucket[/prefix]``, said for a person (an example, no pattern);
+    None if nothing is. The config's ``url`` and ``--tier NAME=s3://...`` are checked by this one rule."""
     match = _URL_RE.match(url)
     if match is None:
-        raise TierError(errno.EINVAL, f"{url!r} is not an s3:// URL (s3://bucket/prefix, bucket in lower case)")
+        return (
+            "must be s3://BUCKET/PREFIX, e.g. s3://my-bucket/run7/ckpt: the bucket 3 to 63 lower-case letters, "
+            f"digits, dots and hyphens; got {url!r}"
+        )
     prefix = (match.group(2) or "").strip("/")
-    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
-        raise TierError(errno.EINVAL, f"{url!r}: a prefix has no empty, '.' or '..' segments")
-    return S3Url(match.group(1), prefix)
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        return f"a prefix has no empty, '.' or '..' segments; got {url!r}"
+    return None
+
+
+def endpoint_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as an S3 endpoint, for a person; None if nothing is. Checked before
+    botocore, whose ``ValueError: Invalid endpoint`` names neither the tier nor the setting."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"must be a URL with its scheme, e.g. http://127.0.0.1:9000 or https://s3.example.com; got {url!r}"
+    return None
+
+
+def parse_s3_url(url: str) -> S3Url:
+    """``s3://bucket[/prefix]``; ValueError (a TierstateError) naming the URL if it is not one."""
+    problem = s3_url_problem(url)
+    match = _URL_RE.match(url)
+    if problem is not None or match is None:
+        raise TierError(errno.EINVAL, f"not an s3:// URL: {problem}")
+    return S3Url(match.group(1), (match.group(2) or "").strip("/"))
 
 
 @dataclass(frozen=True)
@@ -122,6 +145,13 @@ class ObjectStore:
     ) -> None:
         self.tier = tier
         self.url = parse_s3_url(url)
+        # botocore takes $AWS_ENDPOINT_URL_S3, else $AWS_ENDPOINT_URL, when none is given: checked too.
+        variable = next((key for key in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(key)), "")
+        setting = "endpoint_url" if endpoint_url else f"${variable}"
+        endpoint = endpoint_url or os.environ.get(variable)
+        problem = endpoint_problem(endpoint) if endpoint else None
+        if problem is not None:
+            raise TierError(errno.EINVAL, f"tier {tier}: {setting} {problem}")
         self.retries = retries
         self.workers = max(1, workers)
         self.part_size = max(5 * MiB, part_size)

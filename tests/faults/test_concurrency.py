@@ -85,12 +85,16 @@ def test_many_threads_requesting_at_once(tmp_path: Path) -> None:
 class Reader:
     """A second runner restoring "latest" each time it is called (from a fault point), checking each
     restore bit-exact against its step; ``pfs_first`` lists pfs before nvme, so a partial copy on
-    pfs would be the first thing it tries."""
+    pfs would be the first thing it tries. It reads the writer's tiers and writes a tier of its own
+    (first, empty: restore reads past it), as another job restoring from them would: one process's
+    runners never write one tier together (pipeline/holders.py)."""
 
     def __init__(self, root: Path, pfs_first: bool = False) -> None:
         settings = overrides(root)
-        if pfs_first:
-            settings["tiers"] = {"pfs": settings["tiers"]["pfs"], "nvme": settings["tiers"]["nvme"]}
+        tiers = settings["tiers"]
+        read = ("pfs", "nvme") if pfs_first else ("nvme", "pfs")
+        settings["tiers"] = {"reader": {"path": str(root / "reader")}, **{name: tiers[name] for name in read}}
+        settings["pipeline.stages.persist.tier"] = "reader"
         self.runner = Runner.from_yaml(DEFAULT_YAML, settings)
         self.state = StepState()
         self.state.register(self.runner)

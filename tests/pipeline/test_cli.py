@@ -268,8 +268,8 @@ def test_a_mistyped_command_is_answered_with_the_one_meant(typed, meant) -> None
     done = _tierstate(typed, "--tier", "nvme=x")
     assert done.returncode == 2 and done.stdout == ""
     last = done.stderr.splitlines()[-1]
-    commands = ", ".join(build_parser().commands)
-    assert commands.startswith("ls, inspect, stats, migrate, verify, prune")
+    commands = ", ".join(build_parser().chooser.choices)
+    assert commands.startswith("ls, inspect, stats, trace, migrate, verify, prune")
     guess = f"; did you mean {meant!r}?" if meant else ""
     assert last == f"tierstate: error: no command {typed!r}{guess} (commands: {commands})"
 

@@ -125,7 +125,7 @@ def test_export_writes_an_ordinary_file_and_never_overwrites_unasked(nvme, tmp_p
 
 
 # --- migrate ------------------------------------------------------------------------------------
-def test_ctrl_c_during_migrate_prints_one_line_exits_130_and_the_next_run_resumes(nvme, tmp_path, capsys):
+def test_ctrl_c_during_migrate_says_what_was_published_exits_130_and_the_next_run_resumes(nvme, tmp_path, capsys):
     pfs = FilesystemTier("pfs", tmp_path / "pfs")
     args = ["migrate", "3", "--from", "nvme", "--to", "pfs", "--tier", f"nvme={nvme.root}", "--tier", f"pfs={pfs.root}"]
     copied = []
@@ -144,7 +144,8 @@ def test_ctrl_c_during_migrate_prints_one_line_exits_130_and_the_next_run_resume
     finally:
         signal.signal(signal.SIGINT, previous)
     out, err = capsys.readouterr()
-    assert err == "tierstate migrate: interrupted\n" and out == ""
+    said = "tierstate migrate: interrupted; nothing published before it; the step being copied was not published "
+    assert err == said + "(the same command again resumes it)\n" and out == ""
     assert pfs.steps() == [] and pfs.partial_dir(3).is_dir()
     assert cli.main([*args, "--json"]) == 0
     assert '"frames_reused": 2' in capsys.readouterr().out

@@ -86,12 +86,12 @@ def _restored(
     make_runner: Callable[..., Runner], optimizer_class: type, step: int, model: torch.nn.Module | None = None
 ) -> dict[str, Any]:
     """Step ``step`` restored into a fresh model (``_model``'s shape unless given) and optimizer, in another
-    runner on the same tiers."""
+    runner on the same tiers (the writer closed first: one open runner of a process writes a tier)."""
     model = _model(seed=99) if model is None else model
     optimizer = optimizer_class(model.parameters(), lr=0.1)
-    runner = make_runner(**DEFERRED)
-    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
-    runner.restore(step)
+    with make_runner(**DEFERRED) as runner:
+        runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
+        runner.restore(step)
     return _state(model, optimizer)
 
 
@@ -113,6 +113,7 @@ def test_an_optimizer_that_replaces_its_state_tensors_is_saved_as_requested(
         handle.result()
     # Listed in the background, never on the trainer's thread, once a plan existed to defer to.
     assert provider.relisted_on and all(name.startswith("tierstate") for name in provider.relisted_on)
+    runner.close()
     names = {}
     for step in range(1, 6):
         got = _restored(make_runner, OutOfPlaceMomentum, step)
@@ -141,6 +142,7 @@ def test_load_state_dict_right_after_a_request_waits_for_its_capture(make_runner
     optimizer.load_state_dict(other.state_dict())  # replaces every state tensor the plan took as listed
     assert handle.captured  # the load waited for the capture of the state it replaced
     handle.result()
+    runner.close()
     got = _restored(make_runner, torch.optim.Adam, 2, big())
     assert _same(got, expected)
     assert not _same(got["optim"]["state"], other.state_dict()["state"])
@@ -171,6 +173,7 @@ def test_optimizer_state_that_comes_to_alias_a_parameter_fails_that_checkpoint_o
         runner.checkpoint(3).result()
     expected = _state(model, optimizer)
     runner.checkpoint(4).result()  # planned afresh, on the trainer's thread
+    runner.close()
     got = _restored(make_runner, Aliasing, 4)
     assert _same(got["model"], expected["model"])
     assert all(_same(got["optim"]["state"][i]["buf"], expected["optim"]["state"][i]["buf"]) for i in range(4))
@@ -193,6 +196,7 @@ def test_a_state_value_that_stops_being_a_tensor_fails_that_checkpoint_clearly(
         runner.checkpoint(2).result()
     expected = _state(model, optimizer)
     runner.checkpoint(3).result()  # described item by item on the trainer's thread: the float is an object
+    runner.close()
     got = _restored(make_runner, torch.optim.Adam, 3)
     assert _same(got["model"], expected["model"])
     assert float(got["optim"]["state"][0]["step"]) == 2.0  # Adam's load_state_dict makes it a tensor again

@@ -72,6 +72,7 @@ def test_each_checkpoint_restores_the_state_of_its_request(make_runner: Callable
         _assert_equal(_state(model, opt), state, f"step {step}")
         assert all(p.device.type == device for p in model.parameters())
 
+    runner.close()
     fresh_model = _model(device)  # a new process's model and optimizer, restored from the tier
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
     fresh = make_runner(**SLOW)

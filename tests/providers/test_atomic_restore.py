@@ -172,8 +172,8 @@ def test_a_later_provider_that_fails_rolls_back_the_earlier_ones(saved) -> None:
 def test_after_a_failed_restore_a_fitting_one_restores_everything(saved) -> None:
     trainer = Trainer(seed=1)
     extra = TensorDictProvider({"w": torch.ones(3)})
-    with pytest.raises(RestoreError):
-        saved(trainer, extra=extra).restore("latest")
+    with saved(trainer, extra=extra) as refused, pytest.raises(RestoreError):
+        refused.restore("latest")
     assert saved(trainer).restore("latest").step == 1
     expected = Trainer(seed=0).everything()["tensors"]
     restored = trainer.everything()["tensors"]

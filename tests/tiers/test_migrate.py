@@ -156,7 +156,7 @@ def test_bad_input_is_named(tiers, capsys):
     nvme, pfs, _ = tiers
     tier_options = ["--tier", f"nvme={nvme.root}", "--tier", f"pfs={pfs.root}"]
     cases = {
-        ("migrate", "4", "--from", "nvm", "--to", "pfs"): "--from nvm: no such tier (tiers: nvme, pfs)",
+        ("migrate", "4", "--from", "nvm", "--to", "pfs"): "--from nvm: no such tier; did you mean 'nvme'? (tiers: nv",
         ("migrate", "9", "--from", "nvme", "--to", "pfs"): "--from nvme: no committed checkpoint step 9",
         ("migrate", "4", "--from", "nvme", "--to", "nvme"): "--from and --to are both nvme",
         ("migrate", "--from", "nvme", "--to", "pfs"): "give either a STEP or --all",

@@ -6,7 +6,7 @@ take tier objects, return data and never print) and the DCP integration (import,
 below imports it, so no package imports upward. Its modules:
 
 - ``parser``: options, help, "did you mean"; needs nothing but argparse, so ``--help`` and
-  ``--version`` answer at once.
+  ``--version`` (and a bare ``tierstate``: the help) answer at once.
 - ``run``: a parsed command line run (imports the checkpoint code, and torch, only now).
 - ``options``: tiers from ``--config`` and ``--tier``, and option values (sizes, durations, choices).
 - ``render``: results as plain lines, tables or JSON; ``stats``: what a checkpoint cost;
@@ -21,12 +21,17 @@ from __future__ import annotations
 import os
 import sys
 
-from .parser import build_parser
+from .parser import build_parser, parse
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``tierstate`` command line ``argv`` (default: the process's); its exit code."""
-    args = build_parser().parse_args(argv)
+    """Run the ``tierstate`` command line ``argv`` (default: the process's); its exit code. Nothing at all
+    asks for the help, as a bare ``git`` or ``docker`` does."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        build_parser().print_help()
+        return 0
+    args = parse(argv)
     try:
         from .run import run  # the checkpoint code, and torch: only now that a command is to run
 

@@ -27,11 +27,12 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from ..pipeline.config import load_config, parse_tiers
 from ..pipeline.config_schema import TierConfig
 from ..pipeline.packaged import packaged_configs
+from ..suggest import did_you_mean
 from ..tiers.bucketcmds import BucketPolicies
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node
-from ..tiers.objstore import ObjectStore
+from ..tiers.objstore import ObjectStore, endpoint_problem
 from ..tiers.policy import FlushPolicy, RetentionPolicy
 from ..tiers.retention import TierPolicies
 from ..tiers.s3tier import S3Tier
@@ -78,6 +79,14 @@ def load_tiers(config: str | None, tier_options: Sequence[str] | None) -> list[T
     return tiers
 
 
+def endpoint_url(args: argparse.Namespace) -> str | None:
+    """``--endpoint-url``, if given and a URL botocore takes (the error names the option)."""
+    problem = endpoint_problem(args.endpoint_url) if args.endpoint_url else None
+    if problem is not None:
+        raise UsageError(f"--endpoint-url {problem}")
+    return args.endpoint_url
+
+
 def _bucket(
     name: str,
     url: str,
@@ -98,19 +107,19 @@ def load_buckets(args: argparse.Namespace) -> list[BucketPolicies]:
     if args.config:
         config = load_config(args.config)
         for name, spec in config.buckets.items():
-            endpoint = spec.endpoint_url or args.endpoint_url
+            endpoint = spec.endpoint_url or endpoint_url(args)
             flush = spec.flush if name != config.persist_bucket else None
             buckets.append(_bucket(name, spec.url, endpoint, spec.region, spec.retention, flush))
     for spec in args.tier or []:
         if _is_bucket(spec):
             name, _, url = spec.partition("=")
-            buckets.append(_bucket(name, url, args.endpoint_url, args.region, RetentionPolicy()))
+            buckets.append(_bucket(name, url, endpoint_url(args), args.region, RetentionPolicy()))
     return buckets
 
 
 def bucket_at(url: str, args: argparse.Namespace) -> BucketPolicies:
     """A bucket given by its URL alone (``tierstate inspect s3://...``), named ``bucket``."""
-    return _bucket("bucket", url, args.endpoint_url, args.region, RetentionPolicy())
+    return _bucket("bucket", url, endpoint_url(args), args.region, RetentionPolicy())
 
 
 def every_tier(args: argparse.Namespace) -> list[AnyPolicies]:
@@ -156,8 +165,8 @@ def pick(tiers: Sequence[P], name: str, option: str) -> P:
     for policies in tiers:
         if policies.tier.name == name:
             return policies
-    known = ", ".join(t.tier.name for t in tiers)
-    raise UsageError(f"{option} {name}: no such tier (tiers: {known})")
+    known = [t.tier.name for t in tiers]
+    raise UsageError(f"{option} {name}: no such tier{did_you_mean(name, known)} (tiers: {', '.join(known)})")
 
 
 def select(tiers: Sequence[P], names: Sequence[str] | None, option: str) -> list[P]:
@@ -194,5 +203,6 @@ def choice(text: str | None, choices: Collection[T], option: str) -> T | None:
         if text == choice:
             return choice
     if text is not None:
-        raise UsageError(f"{option} {text!r}: expected one of {', '.join(map(str, choices))}")
+        names = list(map(str, choices))
+        raise UsageError(f"{option} {text!r}: expected one of {', '.join(names)}{did_you_mean(text, names)}")
     return None

@@ -4,6 +4,10 @@ Results go to stdout: with ``--json`` one JSON document for scripts; else plain 
 checkpoint, never cut (ls and inspect: a table, drawn with rich on a terminal, padded columns
 otherwise, for grep and awk). Each function that renders a command's results returns the exit
 code they mean: 0 when everything asked for was done, 1 when some checkpoint failed.
+
+Sizes and rates in lines are written one way, the progress bars' (rich's decimal units: ``67.1 MB``,
+``1.5 GB``, ``440.0 MB/s``), so a bar and the line after it say the same; tables of checkpoints keep
+exact byte counts (``67,129,344``) in a column that says so.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.filesize import decimal
+
 from ..tiers.commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
 from ..tiers.migrate import MigrateReport
-from ..tiers.pending import FlushRun
+from ..tiers.pending import FlushOutcome, FlushRun
 from ..tiers.retention import Leftover
 from ..tiers.verify import VerifyResult
 from .tables import table
@@ -27,11 +33,12 @@ def emit(as_json: bool, documents: list[dict[str, Any]] | dict[str, Any], lines:
 
 
 def size(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+    """``67.1 MB``: as the progress bars write sizes (cli/progress.py)."""
+    return decimal(round(nbytes))
 
 
 def rate(nbytes: int, seconds: float) -> str:
-    """``0.44 GB/s``, or ``12.5 MB/s`` for slow copies (a paced migration, a network file system)."""
+    """``440.0 MB/s``: as the progress bars write speeds."""
     return size(nbytes / seconds if seconds > 0 else 0) + "/s"
 
 
@@ -84,26 +91,34 @@ def items(document: dict[str, Any], as_json: bool) -> int:
 
 
 # --- migrate and verify -------------------------------------------------------------------------
-def _migrate_line(report: MigrateReport) -> str:
+def migrate_line(report: MigrateReport) -> str:
+    """One migration: the frames and bytes it copied, and its rate over those bytes alone (frames a resumed
+    copy found already there were read back and verified, not copied: counting them would inflate it)."""
     head = f"step {report.step}: {report.source} -> {report.target}: "
     if report.outcome == "already there":
         body = "already there"
     else:
-        moved = report.bytes_copied + report.bytes_reused
+        copied = size(report.bytes_copied)
         body = f"{report.outcome} {report.frames_copied} of {report.frames} frames"
         if report.frames_reused:
             body += f" (resumed: {report.frames_reused} already there and verified)"
-        body += f", {size(moved)} in {report.seconds:.2f} s ({rate(moved, report.seconds)}), verified, published"
+            copied += f" of {size(report.bytes_copied + report.bytes_reused)}"
+        speed = rate(report.bytes_copied, report.seconds)
+        body += f", {copied} in {report.seconds:.2f} s ({speed}), verified, published"
     return head + body + (", source deleted" if report.moved else "")
 
 
-def migrations(results: Sequence[MigrateReport | MigrateFailure], source: str, as_json: bool) -> int:
-    lines = [
-        f"step {r.step}: {r.source} -> {r.target}: FAILED: {r.error}" if isinstance(r, MigrateFailure)
-        else _migrate_line(r)
-        for r in results
-    ]  # fmt: skip
-    emit(as_json, [r.as_dict() for r in results], lines or [f"{source}: no committed checkpoints"])
+def migration_line(result: MigrateReport | MigrateFailure) -> str:
+    if isinstance(result, MigrateFailure):
+        return f"step {result.step}: {result.source} -> {result.target}: FAILED: {result.error}"
+    return migrate_line(result)
+
+
+def migrations(results: Sequence[MigrateReport | MigrateFailure], source: str, as_json: bool, shown: bool) -> int:
+    """``tierstate migrate``'s result; ``shown``: each step's line was printed as it ended."""
+    lines = [] if shown else [migration_line(r) for r in results]
+    if as_json or lines or not results:
+        emit(as_json, [r.as_dict() for r in results], lines or [f"{source}: no committed checkpoints"])
     return 1 if any(isinstance(r, MigrateFailure) for r in results) else 0
 
 
@@ -143,20 +158,34 @@ def pruning(done: Pruning, as_json: bool) -> int:
     return 0
 
 
-def flushes(run: FlushRun, as_json: bool) -> int:
-    """``tierstate flush``: each pending step's copy (or why it failed), then what retention deleted."""
-    lines = []
-    for outcome in run.outcomes:
-        if outcome.report is not None:
-            lines.append(_migrate_line(outcome.report))
-            continue
-        lines.append(f"step {outcome.step}: {outcome.source} -> {outcome.target}: FAILED: {outcome.error}")
-        if outcome.damaged is not None:
-            lines.append(f"  its copy on {outcome.source} is damaged: noted unflushable, retention may delete it")
+def flush_lines(outcome: FlushOutcome) -> list[str]:
+    """One pending step's copy to one tier: what it copied, or why it failed."""
+    if outcome.report is not None:
+        return [migrate_line(outcome.report)]
+    lines = [f"step {outcome.step}: {outcome.source} -> {outcome.target}: FAILED: {outcome.error}"]
+    if outcome.damaged is not None:
+        lines.append(f"  its copy on {outcome.source} is damaged: noted unflushable, retention may delete it")
+    return lines
+
+
+def flushes(run: FlushRun, as_json: bool, shown: bool) -> int:
+    """``tierstate flush``: each pending step's copy (unless ``shown``: printed as each ended), then what
+    retention deleted."""
+    lines = [] if shown else [line for outcome in run.outcomes for line in flush_lines(outcome)]
     lines += [f"{d.tier} step {d.step}: deleted ({d.reason})" for d in run.pruned if d.delete]
+    if not run.outcomes and not lines:
+        lines = ["nothing pending: every tier holds the checkpoints due on it"]
     document = {"flushes": [o.as_dict() for o in run.outcomes], "pruned": [d.as_dict() for d in run.pruned]}
-    emit(as_json, document, lines or ["nothing pending: every tier holds the checkpoints due on it"])
+    if as_json or lines:
+        emit(as_json, document, lines)
     return 1 if run.failed else 0
+
+
+def interrupted(command: str, published: Sequence[str], undone: str) -> str:
+    """What an interrupted ``migrate`` or ``flush`` had done: the copies it published (each complete and
+    verified), and what it had not."""
+    done = f"published before it: {', '.join(published)}" if published else "nothing published before it"
+    return f"tierstate {command}: interrupted; {done}; {undone}"
 
 
 def prune_question(plan: Pruning) -> str:

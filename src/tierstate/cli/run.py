@@ -23,24 +23,26 @@ from tierstate.errors import TierstateError
 
 from ..pipeline.config import ConfigError
 from ..pipeline.packaged import packaged_config, packaged_configs
+from ..suggest import did_you_mean
 from ..tiers import commands
 from ..tiers.bucketcmds import bucket_entries, bucket_garbage
-from ..tiers.commands import Pruning, UsageError
+from ..tiers.commands import MigrateFailure, Pruning, UsageError
 from ..tiers.convert import Format
 from ..tiers.export import ExportFormat
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
 from ..tiers.hfdir import MAX_SHARD_SIZE
+from ..tiers.migrate import MigrateReport
 from ..tiers.pacing import Pacer
-from ..tiers.pending import flush_by_hand, mark_pending
+from ..tiers.pending import FlushOutcome, flush_by_hand, mark_pending, pending_flushes
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import collect_garbage, graph_of
-from ..tiers.stored import Location
+from ..tiers.stored import Location, StoredCheckpoint
 from ..tiers.transfer import AnyTier
 from . import options, render
 from .progress import byte_progress
 from .s3 import run_s3
-from .stats import show_stats
+from .stats import show_stats, write_trace
 
 # Errors that mean the request itself is wrong: printed without a traceback, exit code 2.
 _BAD_INPUT = (UsageError, ConfigError, ManifestError)
@@ -83,6 +85,16 @@ def _stats(args: argparse.Namespace) -> int:
     return show_stats(_checkpoint(args), args.json, args.trace)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    """``tierstate trace STEP``: the timeline ``stats --trace`` writes, as a command of its own."""
+    location = _checkpoint(args)
+    manifest = StoredCheckpoint(location).manifest
+    out = Path(args.output or f"trace-step-{manifest.step}.json")
+    note = write_trace(manifest, out)
+    print(json.dumps({"step": manifest.step, "trace": str(out)}) if args.json else note)
+    return 0
+
+
 def _directories(tiers: Sequence[AnyTier]) -> None:
     """:func:`options.must_exist` for the directory tiers among ``tiers`` (a bucket was checked when built)."""
     options.must_exist([t for t in tiers if isinstance(t, FilesystemTier)])
@@ -99,10 +111,23 @@ def _migrate(args: argparse.Namespace) -> int:
     fmt = options.choice(args.format, get_args(Format), "--format")
     bandwidth = options.size(args.bandwidth, "--bandwidth") if args.bandwidth else None
     _directories([source])
-    results = commands.migrate_steps(
-        source, target, args.step, move=args.move, fmt=fmt, bandwidth=bandwidth, progress=byte_progress(not args.json)
-    )
-    return render.migrations(results, source.name, args.json)
+    done: list[MigrateReport | MigrateFailure] = []
+
+    def each(result: MigrateReport | MigrateFailure) -> None:
+        done.append(result)
+        if not args.json:
+            print(render.migration_line(result), flush=True)
+
+    try:
+        commands.migrate_steps(
+            source, target, args.step, move=args.move, fmt=fmt, bandwidth=bandwidth,
+            progress=byte_progress(not args.json), each=each,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        published = [f"step {r.step} on {r.target}" for r in done if isinstance(r, MigrateReport)]
+        undone = "the step being copied was not published (the same command again resumes it)"
+        return _interrupted(args, render.interrupted("migrate", published, undone), [r.as_dict() for r in done])
+    return render.migrations(done, source.name, args.json, shown=True)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -139,10 +164,49 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _flush(args: argparse.Namespace) -> int:
+    """Each pending copy's line as it ends, under one bar over the bytes due (a step's bytes count once its
+    copy has ended: the copies report nothing while they run); after Ctrl-C, what was published."""
     tiers, buckets = options.split(options.every_tier(args))
     options.must_exist([p.tier for p in tiers])
     pacer = Pacer(options.size(args.bandwidth, "--bandwidth")) if args.bandwidth else None
-    return render.flushes(flush_by_hand(tiers, buckets, pacer=pacer), args.json)
+    graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])
+    due = {(p.step, p.source.name, target): _stored_bytes(p.source, p.step)
+           for p in pending_flushes(tiers, graph=graph) for target in p.targets}  # fmt: skip
+    done: list[FlushOutcome] = []
+    with byte_progress(not args.json and bool(due))("flush", sum(due.values())) as advance:
+
+        def each(outcome: FlushOutcome) -> None:
+            done.append(outcome)
+            advance(due.get((outcome.step, outcome.source, outcome.target), 0))
+            if not args.json:
+                print("\n".join(render.flush_lines(outcome)), flush=True)
+
+        try:
+            run = flush_by_hand(tiers, buckets, pacer=pacer, each=each)
+        except KeyboardInterrupt:
+            published = [f"step {o.step} on {o.target}" for o in done if o.report is not None]
+            undone = "retention did not run (`tierstate flush` again copies the rest, resuming a half-copied step)"
+            document = {"flushes": [o.as_dict() for o in done], "pruned": [], "interrupted": True}
+            return _interrupted(args, render.interrupted("flush", published, undone), document)
+    return render.flushes(run, args.json, shown=True)
+
+
+def _stored_bytes(tier: FilesystemTier, step: int) -> int:
+    """What the bar counts for a step: its stored bytes, or 0 for a copy whose manifest does not read (its
+    flush fails, and says why, on its own line)."""
+    try:
+        return tier.manifest(step).stored_bytes
+    except (TierstateError, OSError):
+        return 0
+
+
+def _interrupted(args: argparse.Namespace, summary: str, document: object) -> int:
+    """Ctrl-C in a command that publishes step by step: what it published, said once (with ``--json``,
+    as the document of the steps that ended), and exit code 130."""
+    if args.json:
+        print(json.dumps(document, indent=1))
+    print(summary, file=sys.stderr)
+    return 130
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -199,7 +263,8 @@ def _import(args: argparse.Namespace) -> int:
                 sent = target.upload(local.step_dir(args.step), manifest, advance)
         report = replace(report, path=sent.target)
     names = ", ".join(f"{name} ({layout})" for name, layout in report.names.items())
-    line = f"step {report.step} ({report.tier}): {report.items} items, {report.bytes:,} bytes from {source}: {names}"
+    line = f"step {report.step} ({report.tier}): {report.items} items, {render.size(report.bytes)} from {source}"
+    line += f": {names}"
     print(json.dumps(report.as_dict(), indent=1) if args.json else line)
     return 0
 
@@ -207,8 +272,10 @@ def _import(args: argparse.Namespace) -> int:
 def _init(args: argparse.Namespace) -> int:
     """Copy a packaged config, comments and all, to DIRECTORY/NAME.yaml for the user to edit."""
     name = args.name.removesuffix(".yaml")
-    if name not in packaged_configs():
-        raise UsageError(f"--from {args.name!r}: no such packaged config (packaged: {', '.join(packaged_configs())})")
+    packaged = packaged_configs()
+    if name not in packaged:
+        guess = did_you_mean(name, packaged)
+        raise UsageError(f"--from {args.name!r}: no such packaged config{guess} (packaged: {', '.join(packaged)})")
     out = Path(args.directory) / f"{name}.yaml"
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; give --force to replace it")
@@ -222,6 +289,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ls": _ls,
     "inspect": _inspect,
     "stats": _stats,
+    "trace": _trace,
     "migrate": _migrate,
     "verify": _verify,
     "prune": _prune,

@@ -58,8 +58,10 @@ def run_s3(args: argparse.Namespace) -> int:
     from ..tiers.s3tier import S3Tier
     from . import options
     from .progress import byte_progress
+    from .render import size
 
-    tier = S3Tier("bucket", ObjectStore("bucket", args.url, endpoint_url=args.endpoint_url, region=args.region))
+    store = ObjectStore("bucket", args.url, endpoint_url=options.endpoint_url(args), region=args.region)
+    tier = S3Tier("bucket", store)
     tier.store.check()
     progress = byte_progress(not args.json)
     if args.action == "ls":
@@ -83,13 +85,13 @@ def run_s3(args: argparse.Namespace) -> int:
         manifest = source.manifest(args.step)
         with progress(f"push step {args.step}", manifest.stored_bytes) as advance:
             report = tier.upload(source.step_dir(args.step), manifest, advance)
-        _emit(args, [f"step {args.step}: {report.outcome} to {report.target} ({report.bytes} bytes)"], vars(report))
+        _emit(args, [f"step {args.step}: {report.outcome} to {report.target} ({size(report.bytes)})"], vars(report))
         return 0
     if args.action == "pull":
         target = FilesystemTier("target", Path(args.target))
         with progress(f"pull step {args.step}", tier.manifest(args.step).stored_bytes) as advance:
             report = tier.download(args.step, target, advance)
-        _emit(args, [f"step {args.step}: {report.outcome} to {report.target} ({report.bytes} bytes)"], vars(report))
+        _emit(args, [f"step {args.step}: {report.outcome} to {report.target} ({size(report.bytes)})"], vars(report))
         return 0
     if args.action == "prune":
         steps = tier.steps()

@@ -73,9 +73,13 @@ def show_stats(location: Location, as_json: bool, trace: str | None = None) -> i
     manifest = StoredCheckpoint(location).manifest
     print(json.dumps(stats_document(manifest), indent=1) if as_json else "\n".join(stats_lines(manifest)))
     if trace is not None:
-        document = chrome_trace(manifest)
-        Path(trace).write_text(json.dumps(document))
-        events = sum(1 for event in document["traceEvents"] if event["ph"] != "M")
-        note = f"trace: {events} events in {trace} (open it in ui.perfetto.dev or chrome://tracing)"
-        print(note, file=sys.stderr if as_json else sys.stdout)
+        print(write_trace(manifest, Path(trace)), file=sys.stderr if as_json else sys.stdout)
     return 0
+
+
+def write_trace(manifest: Manifest, out: Path) -> str:
+    """Write the checkpoint's timeline to ``out`` as a Chrome/Perfetto trace; the line that says so."""
+    document = chrome_trace(manifest)
+    out.write_text(json.dumps(document))
+    events = sum(1 for event in document["traceEvents"] if event["ph"] != "M")
+    return f"trace: {events} events in {out} (open it in ui.perfetto.dev or chrome://tracing)"

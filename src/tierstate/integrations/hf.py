@@ -6,13 +6,16 @@ tiers hold a checkpoint written by this callback, resumes from the newest one th
 
 This module imports nothing of transformers: ``TierstateCallback`` (a ``TrainerCallback``, in
 :mod:`tierstate.integrations.hf_trainer`) is loaded on first use, with transformers, so that
-``import tierstate`` and ``import tierstate.integrations.hf`` stay free of it.
+``import tierstate`` and ``import tierstate.integrations.hf`` stay free of it; without transformers it
+says to ``pip install 'tierstate[hf]'``.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from . import needs_extra
 
 if TYPE_CHECKING:
     from .hf_trainer import TierstateCallback
@@ -24,6 +27,7 @@ def __getattr__(name: str) -> Any:
     """``TierstateCallback``, imported (with transformers) the first time it is asked for."""
     if name != "TierstateCallback":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = import_module("tierstate.integrations.hf_trainer").TierstateCallback
+    with needs_extra("hf", "TierstateCallback", ("transformers", "accelerate")):
+        value = import_module("tierstate.integrations.hf_trainer").TierstateCallback
     globals()[name] = value
     return value

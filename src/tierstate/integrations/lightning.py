@@ -26,7 +26,8 @@ Lightning hands its ``CheckpointIO`` plugin one dict per save (``state_dict``, `
 A failed checkpoint does not stop training: it is logged, its pointer is not written (``last``
 keeps naming the previous one) and it is listed in ``failures``.
 
-Lightning is imported only when :class:`TierstateCheckpointIO` is first looked up.
+Lightning is imported only when :class:`TierstateCheckpointIO` is first looked up; without it, that says to
+``pip install 'tierstate[lightning]'``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from tierstate import (
     storage_of,
 )
 
+from . import needs_extra
 from .copies import read_first_clean
 
 if TYPE_CHECKING:
@@ -439,7 +441,8 @@ def _checkpoint_io_class() -> type:
     """``TierstateCheckpointIO``, made on first use: a Lightning ``CheckpointIO`` (imported only now)."""
     global _CLASS
     if _CLASS is None:
-        from lightning.fabric.plugins import CheckpointIO
+        with needs_extra("lightning", "TierstateCheckpointIO", ("lightning",)):
+            from lightning.fabric.plugins import CheckpointIO
 
         class TierstateCheckpointIO(_TierstateIO, CheckpointIO):
             """Lightning's ``CheckpointIO`` through tierstate: ``Trainer(plugins=[TierstateCheckpointIO(config)])``."""
