@@ -84,11 +84,6 @@ class MigrateReport:
         return {**asdict(self), "path": str(self.path), "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3)}
 
 
-def same_checkpoint(a: Manifest, b: Manifest) -> bool:
-    """Whether two manifests describe the same checkpoint (possibly in different formats)."""
-    return a.step == b.step and a.created == b.created and a.items.keys() == b.items.keys()
-
-
 class _FrameCopier:
     """Copies byte ranges between two files: in the kernel while it allows, else through a buffer."""
 
@@ -226,6 +221,7 @@ def _convert(
     progress: Progress | None,
 ) -> Manifest:
     """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest."""
+    _refuse(file_problems(source_dir, manifest), source_dir)
     _remove_strays(partial, set())
     published = rewrite(source_dir, manifest, partial, fmt, align, paced(progress, pacer))
     problems = StoredCheckpoint(partial, manifest=published).verify()
