@@ -36,7 +36,7 @@ from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
 from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
-from .integrity import frame_problem, index_problem
+from .integrity import Problem, file_problems, frame_problem, index_problem, object_problems
 from .locks import InUseError, exclusive, reading
 from .manifest import Manifest, NodePart
 from .nodeparts import part_marker, publish_parts
@@ -193,6 +193,12 @@ def _remove_strays(partial: Path, keep: set[str]) -> None:
             remove(entry)
 
 
+def _refuse(problems: list[Problem], where: Path) -> None:
+    """A CorruptCheckpointError naming the first of ``problems`` of the checkpoint in ``where``, if any."""
+    if problems:
+        raise CorruptCheckpointError(f"{where / problems[0].file}: {problems[0].message}; not migrating it")
+
+
 def _copy_all(
     source_dir: Path,
     manifest: Manifest,
@@ -201,12 +207,16 @@ def _copy_all(
     pacer: Pacer | None,
     progress: Progress | None,
 ) -> Manifest:
-    """Same format: resume or start the frame-by-frame copy; the manifest to publish is the source's."""
+    """Same format: resume or start the frame-by-frame copy, held to the checks of tiers/integrity.py (the
+    source's file sizes first, each index and frame before it is written, the objects of the copy before it
+    is published); the manifest to publish is the source's."""
+    _refuse(file_problems(source_dir, manifest), source_dir)
     copy = _Copy(report, pacer, progress)
     for name, digest in sorted(manifest.indexes.items()):  # small and checked whole: a bad one fails first
         copy.small_file(source_dir / name, partial / name, digest)
     for name, record in sorted(manifest.files.items()):
         copy.data_file(source_dir / name, partial / name, record)
+    _refuse(object_problems(partial, manifest), source_dir)
     return manifest
 
 
@@ -358,7 +368,7 @@ def migrate(
         manifest = source.manifest(step)
         wanted = fmt or container_format(manifest, str(source_dir))
         existing = target.manifest(step) if step in target.steps() else None
-        if existing is not None and not same_checkpoint(existing, manifest):
+        if existing is not None and not existing.same_checkpoint(manifest):
             raise MigrateError(
                 f"tier {target.name} already holds a different checkpoint for step {step} "
                 f"(created {existing.created}; the one on {source.name} was created {manifest.created})"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .filesystem import CheckpointExistsError, FilesystemTier, TierError
 from .format import manifest_bytes, parse_manifest
-from .integrity import verify_directory
+from .integrity import verify_source
 from .manifest import MANIFEST_NAME, Manifest
 from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker, part_of_marker
 from .objstore import ObjectMissingError, ObjectStore, Progress
@@ -230,7 +230,7 @@ class S3Tier:
         rank's files) from ``source`` under ``step-N/``, each verified in the source first; nothing is
         published. Returns how many files and bytes went up."""
         step = manifest.step
-        problems = verify_directory(source, manifest)
+        problems = verify_source(source, manifest)
         if problems:
             raise CorruptCheckpointError(f"{source}: {problems[0]}; not uploading it to tier {self.name}")
         files = total = 0
@@ -282,7 +282,7 @@ class S3Tier:
                     os.close(fd)
                 report.files += 1
                 report.bytes += size
-            problems = verify_directory(partial, manifest)
+            problems = verify_source(partial, manifest)
             if problems:
                 raise CorruptCheckpointError(
                     f"{self.store.where(self.step_prefix(step) + problems[0].file)}: {problems[0]} "
