@@ -283,6 +283,7 @@ def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[st
     return cast(bytes, packed)  # untyped: None comes only from a Packer(autoreset=False), never from packb
 
 
+@gc_paused()  # a record per item, as the manifest's: see tiers/gcpause.py (here it was 60% of the parse)
 def parse_index(raw: bytes, source: str) -> IndexRecord:
     """Parse and fully validate an index; every problem is a ManifestError naming ``source``.
 
