@@ -36,7 +36,7 @@ from .convert import container_format, rewrite
 from .filesystem import FilesystemTier
 from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
-from .integrity import Problem, file_problems, frame_problem, index_problem, object_problems
+from .integrity import Problem, file_problems, frame_problem, index_problem, index_problems, object_problems
 from .locks import InUseError, exclusive, reading
 from .manifest import Manifest, NodePart
 from .nodeparts import part_marker, publish_parts
@@ -230,8 +230,9 @@ def _convert(
     pacer: Pacer | None,
     progress: Progress | None,
 ) -> Manifest:
-    """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest."""
-    _refuse(file_problems(source_dir, manifest), source_dir)
+    """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest. The
+    rewrite writes indexes of its own, so the source's are checked first, with its file sizes."""
+    _refuse(file_problems(source_dir, manifest) + index_problems(source_dir, manifest), source_dir)
     _remove_strays(partial, set())
     published = rewrite(source_dir, manifest, partial, fmt, align, paced(progress, pacer))
     problems = StoredCheckpoint(partial, manifest=published).verify()

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import zstandard
@@ -363,3 +364,21 @@ def test_a_deeply_nested_index_fails_verify_and_migrate(tmp_path: Path) -> None:
     (step2 / "rank-00000.index").write_bytes(deep)
     _forge(step2, lambda body: body["indexes"].update({"rank-00000.index": checksum(deep)}))
     _refused_everywhere(tmp_path, 2, "rank-00000.index")
+
+
+def test_an_index_with_an_extra_field_fails_verify_migrate_a_conversion_and_restore(tmp_path: Path) -> None:
+    """The index re-encoded with one extra nested field, its checksum re-signed: every reader refuses the
+    copy, a conversion too (it writes indexes of its own, so it checks the source's first)."""
+    write_steps(tmp_path, [1, 2])
+    step2 = tmp_path / "nvme" / "step-2"
+    doc = msgpack.unpackb((step2 / "rank-00000.index").read_bytes(), raw=False)
+    next(item for item in doc["items"].values() if item.get("pieces"))["pieces"][0]["extra"] = {"nested": 1}
+    forged = msgpack.packb(doc)
+    (step2 / "rank-00000.index").write_bytes(forged)
+    _forge(step2, lambda body: body["indexes"].update({"rank-00000.index": checksum(forged)}))
+    _refused_everywhere(tmp_path, 2, "rank-00000.index")
+    converted = _cli_on_tiers(tmp_path, "migrate", "2", "--from", "nvme", "--to", "pfs", "--format", "hdf5")
+    assert converted.returncode == 1 and "rank-00000.index" in converted.stdout + converted.stderr, converted
+    assert not (tmp_path / "pfs" / "step-2").exists()
+    with pytest.raises(TierstateError, match="rank-00000.index"):
+        load(step2)
