@@ -42,8 +42,16 @@ def add_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparser
     p = action("prune", "delete all but the newest --keep-last steps (manifest first)")
     p.add_argument("--keep-last", type=int, required=True, metavar="N")
     p.add_argument("--dry-run", action="store_true")
-    g = action("gc", "remove objects of steps without a manifest and incomplete multipart uploads")
-    g.add_argument("--older-than", default="1h", metavar="AGE", help="grace period, e.g. 30m, 2h (default 1h)")
+    g = action(
+        "gc",
+        "remove what killed writers left (objects of steps without a manifest, their incomplete multipart uploads "
+        "and claims), never anything of an upload whose claim is live",
+    )
+    g.add_argument(
+        "--older-than", default="1h", metavar="AGE",
+        help="grace period, e.g. 30m, 2h (default 1h): a step goes once its claim is stale (its writer gone from "
+        "this host, or, from another host, the claim older than this) and its newest object or part is older",
+    )  # fmt: skip
     g.add_argument("--dry-run", action="store_true")
 
 
