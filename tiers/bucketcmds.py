@@ -4,7 +4,7 @@ Each returns the result types of :mod:`tiers.commands` (ls entries, :class:`~tie
 :class:`~tiers.migrate.MigrateReport`, retention :class:`~tiers.retention.Decision` and
 :class:`~tiers.retention.Leftover`), so the command line renders a bucket's results next to a
 directory tier's, and a script reading ``--json`` sees one shape. Reading goes through the read
-object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.verify.verify_source` over a
+object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.integrity.verify_source` over a
 :class:`~tiers.s3tier.BucketSource`): the frames of a bucket are checked by the code that checks a
 directory's. Writing to a bucket is :meth:`S3Tier.upload` (verified source, data first, the manifest
 last with a conditional put); from it, :meth:`S3Tier.download` (verified before the local commit).

@@ -410,7 +410,7 @@ class S3Tier:
                 held, claim = {}, None  # released meanwhile
             if claim is not None and claim_is_live(held, (now - claim.modified).total_seconds(), older_than):
                 return []  # an upload at work, wherever its objects' ages stand
-        data = [] if committed else [o for o in objects if o is not claim]
+        data = [] if committed else [o for o in objects if o.name != claim_name]
         times = [o.modified for o in [*data, *([claim] if claim else [])]] + [u.last_active for u in uploads]
         if not times or (now - max(times)).total_seconds() < older_than:
             return []
