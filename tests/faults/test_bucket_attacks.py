@@ -124,6 +124,7 @@ def _judge(endpoint: str, url: str, writers: list[tuple[FilesystemTier, Manifest
 # --- two writers -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_runs_writing_one_step_with_equal_creation_times_never_share_its_claim(endpoint, bucket, tmp_path):
     """Two different checkpoints of step 5 whose manifests say the same ``created`` (the millisecond
     clock's resolution): one uploads and publishes, whole; the other fails naming the step."""
@@ -143,6 +144,7 @@ def test_two_runs_writing_one_step_with_equal_creation_times_never_share_its_cla
     tally("bucket_equal_created", trials=trials, damaged=damaged, losses=lost)
 
 
+@pytest.mark.slow
 def test_two_takeovers_of_one_stale_claim_with_one_read_delayed_leave_one_writer(endpoint, bucket, tmp_path):
     """A claim left by a writer killed on this host; two writers find it stale. The server answers the
     first one's read of the claim only once the other's takeover has succeeded, so the first acts on what
@@ -362,6 +364,7 @@ sys.exit(main(["s3", "verify", sys.argv[1], "--endpoint-url", sys.argv[2]]))
 """
 
 
+@pytest.mark.slow
 def test_verify_of_a_16_tib_claim_allocates_nothing_of_it(forged, endpoint):
     """In a process that cannot map 1 GiB more than it holds: a one-line problem and exit 1, not a MemoryError."""
     _, url = forged("16 TiB data file")
