@@ -22,9 +22,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from ..providers.base import RestoreError
+from ..providers.base import RankLocal, RestoreError
 from ..providers.composite import CompositeProvider
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.gcpause import gc_paused
@@ -78,17 +78,22 @@ def restore_checkpoint(
             log.warning("restore: step %d is unusable, fell back to step %d", wanted, step)
         if reader.path is None:
             log.warning("restore step %d: read from tier %s (%s), no nearer copy was usable", step, name, reader.where)
-        kept = reader.kept
-        restored = CompositeProvider(**{n: c for n, c in provider.children.items() if n not in kept})
+        restored = CompositeProvider(**{n: c for n, c in provider.children.items() if n not in reader.kept})
         _apply_on_every_rank(group, restored, state, f"restore step {step}")
+        derived = _derive_rank_local(group, provider, reader.saved_world)
+        kept = tuple(n for n in reader.kept if n not in derived)
+        for child in derived:
+            log.warning("restore step %d: rank %d has no saved state of %r: its own derived from rank 0's and its "
+                        "rank", step, group.rank, child)  # fmt: skip
         for child in kept:
             log.warning("restore step %d: rank %d keeps its own %r: the checkpoint holds no state of this rank's",
                         step, group.rank, child)  # fmt: skip
         seconds = time.perf_counter() - started
         # bytes_read: this rank's reads, not the whole copy's
         return RestoreResult(
-            step, name, reader.path, reader.bytes_read, seconds, tuple(problems), served, kept, source=reader.where
-        )
+            step, name, reader.path, reader.bytes_read, seconds, tuple(problems), served, kept, source=reader.where,
+            derived=derived,
+        )  # fmt: skip
     problems = _texts(holdings, min(candidates), wanted) + problems
     raise NoCheckpointError(unusable(wanted, fallback, problems))
 
@@ -198,6 +203,23 @@ def _texts(holdings: list[Holdings], oldest: int, newest: int | None) -> list[st
     top = newest if newest is not None else float("inf")
     rank = (lambda r: f"rank {r}: ") if len(holdings) > 1 else (lambda _: "")
     return [f"{rank(r)}{text}" for r, h in enumerate(holdings) for step, text in h.lost if oldest <= step <= top]
+
+
+def _derive_rank_local(group: RestoreGroup, provider: CompositeProvider, saved_world: int) -> tuple[str, ...]:
+    """After a restore on more ranks than saved the checkpoint: the rank-local providers asked to
+    (``missing_rank="derive"``) get, on each rank the checkpoint holds nothing of, a state derived from
+    rank 0's just restored one and the rank (a collective, run by every rank alike: the condition is the
+    same on all). The names of those derived on this rank."""
+    local = sorted(n for n, c in provider.children.items() if isinstance(c, RankLocal) and c.missing_rank == "derive")
+    if not local or group.world_size <= saved_world:
+        return ()
+    mine = {n: cast(RankLocal, provider.children[n]).digest() for n in local} if group.rank == 0 else None
+    digests = group.all_gather(mine, "restore: rank 0's rank-local state, to derive the others' from")[0]
+    if group.rank < saved_world:
+        return ()
+    for name in local:
+        cast(RankLocal, provider.children[name]).derive(digests[name], group.rank)
+    return tuple(local)
 
 
 def _apply_on_every_rank(

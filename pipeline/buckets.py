@@ -30,7 +30,8 @@ from ..tiers.locks import reading
 from ..tiers.manifest import Manifest
 from ..tiers.nodeparts import files_of_ranks, join_parts
 from ..tiers.objstore import ObjectStore
-from ..tiers.s3tier import S3Tier
+from ..tiers.s3claim import Claim
+from ..tiers.s3tier import S3Tier, Written
 from .config import PipelineConfig
 from .distributed import CheckpointAborted, CheckpointGroup
 
@@ -88,12 +89,14 @@ class Buckets:
         where = f"bucket {bucket.name}"
         error = refused = None
         seen: Manifest | None = None
+        claim: Claim | None = None
+        written: dict[str, Written] = {}
         with contextlib.ExitStack() as held:
             try:  # every rank reaches every collective below, whatever fails on it
                 held.enter_context(reading(source.step_dir(step)))
-                seen = source.manifest(step)  # the whole checkpoint, or this node's part of it
+                seen = source.manifest(step)  # the whole checkpoint, or this node's part of it: one checkpoint id
                 if group.is_leader:
-                    bucket.claim(step, seen.created, list(group.nodes))
+                    claim = bucket.claim(seen, list(group.nodes))
             except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
                 error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
             refused = group.from_leader(error if group.is_leader else None, f"step {step}: claiming it in {where}")
@@ -101,32 +104,38 @@ class Buckets:
                 raise CheckpointAborted(f"step {step} was not published in {where}: {refused}")
             if seen is not None and error is None:
                 try:
-                    bucket.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
+                    written = bucket.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
                 except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
                     error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
         whole_or_part = seen is not None and (group.is_leader if seen.node_part is None else group.is_node_leader)
         part = seen if whole_or_part else None  # what rank 0 needs to write the global manifest
-        said = group.gather_to_leader((error, part), f"step {step}: uploading to {where}")
-        outcome = self._publish_whole(bucket, step, said) if said is not None else None
+        said = group.gather_to_leader((error, part, written), f"step {step}: uploading to {where}")
+        outcome = self._publish_whole(bucket, step, said, claim) if said is not None else None
         outcome = group.from_leader(outcome, f"step {step}: publishing in {where}")
         if outcome is not None:
             raise CheckpointAborted(f"step {step} was not published in {where}: {outcome}")
 
-    def _publish_whole(self, bucket: S3Tier, step: int, said: list[tuple[str | None, Manifest | None]]) -> str | None:
-        """On rank 0, once every rank said how its uploads went: the global manifest put last (joined from
-        the node parts on a node-scoped staging tier), then retention, then the claim released; what went
-        wrong, or None. Never raises: the other ranks wait for its answer."""
-        errors = [error for error, _part in said if error is not None]
-        parts = [part for _error, part in said if part is not None]
+    def _publish_whole(
+        self, bucket: S3Tier, step: int, said: list[tuple[str | None, Manifest | None, dict[str, Written]]],
+        claim: Claim | None,
+    ) -> str | None:
+        """On rank 0, once every rank said how its uploads went (and what each uploaded): the global manifest
+        put last (joined from the node parts on a node-scoped staging tier) once every object is checked to
+        be the one its rank uploaded, then retention, then the claim released; what went wrong, or None.
+        Never raises: the other ranks wait for its answer."""
+        errors = [error for error, _part, _written in said if error is not None]
+        parts = [part for _error, part, _written in said if part is not None]
+        written = {name: object_ for _error, _part, each in said for name, object_ in each.items()}
         try:
             if not errors:
                 whole = join_parts(step, parts) if parts[0].node_part is not None else parts[0]
-                bucket.publish(whole)
+                bucket.publish(whole, written)
                 self._retain(bucket)
         except Exception as exc:  # noqa: BLE001 - every rank fails the step with it
             errors.append(f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}")
         try:
-            bucket.release(step)  # every rank's uploads are over, whatever the outcome
+            if claim is not None:
+                bucket.release(claim)  # every rank's uploads are over, whatever the outcome
         except Exception as exc:  # noqa: BLE001 - a claim left behind only delays a later writer until gc
             log.warning("step %d: could not release its claim in bucket %s: %s", step, bucket.name, exc)
         return "; ".join(errors) or None

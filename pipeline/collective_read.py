@@ -82,6 +82,7 @@ class CollectiveRead:
         self.allow_pickle = allow_pickle
         self.bytes_read = 0  # bytes this rank read from storage for the last copy
         self.kept: tuple[str, ...] = ()  # rank-local providers the last copy holds no state of this rank's for
+        self.saved_world = 1  # how many ranks saved the last copy
         self.path: Path | None = None  # the last copy's directory (None for a bucket's)
         self.where = ""  # the last copy's location, for messages: its directory or its bucket prefix
 
@@ -131,7 +132,7 @@ class CollectiveRead:
                 checkpoint = lock.enter_context(StoredCheckpoint.locked(location, step))
                 self.path, self.where = checkpoint.directory, checkpoint.where
                 where = f"restore step {step} from {checkpoint.where}"
-                self.kept = self._absent_rank_local(checkpoint)
+                self.kept, self.saved_world = self._absent_rank_local(checkpoint), checkpoint.world_size
                 require_providers(checkpoint, self.provider, where, leave_out=self.kept)
                 keys = checkpoint.keys_of(set(self.provider.children) - set(self.kept))
                 if self.group.world_size == 1:
@@ -185,9 +186,10 @@ class CollectiveRead:
         return fresh_read(read.values, read.fill)
 
     def _absent_rank_local(self, checkpoint: StoredCheckpoint) -> tuple[str, ...]:
-        """The rank-local providers (providers/base.py, ``RankLocal``) this rank keeps as they are: the
-        checkpoint was saved by fewer ranks, none of them this one. One whose ``missing_rank`` is
-        ``"error"`` fails this copy instead (alike on every rank of that kind, reported by all)."""
+        """The rank-local providers (providers/base.py, ``RankLocal``) this rank reads nothing for: the
+        checkpoint was saved by fewer ranks, none of them this one (kept as they are, or derived after the
+        restore). One whose ``missing_rank`` is ``"error"`` fails this copy instead (alike on every rank of
+        that kind, reported by all)."""
         rank, saved = self.group.rank, checkpoint.world_size
         if rank < saved:
             return ()

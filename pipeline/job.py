@@ -64,11 +64,14 @@ class CheckpointJob:
         on_captured: Callable[[], None],
         stats: CheckpointStats,
         sources: EagerSources | None = None,
+        requested: float | None = None,
     ) -> None:
         """``plan``: what to write, or what makes it in the background before the step is opened (a reused
         plan checked, an optimizer's state listed: plan_cache.Resolve), failing the checkpoint if the plan
         no longer fits the tensors; ``stats``: the handle's, which this job fills in (the trainer's side is
-        already there); ``sources``: the eager copies made in batches (plan_cache.py)."""
+        already there); ``sources``: the eager copies made in batches (plan_cache.py); ``requested``: when
+        ``checkpoint()`` was called (``time.monotonic()``), which the stats' seconds count from (default:
+        now)."""
         self.ctx = ctx
         self.step = step
         self._planned = plan
@@ -81,7 +84,7 @@ class CheckpointJob:
         self._lock = threading.Lock()  # the stage threads share the slabs, the counters and the stage stats
         self.flow = Flow()
         self.slabs = HeldSlabs(ctx.cache, self.flow, self._lock, stats)
-        self._started = time.monotonic()
+        self._started = time.monotonic() if requested is None else requested
 
     async def run(self) -> Path:
         commit = self.ctx.commit or TierCommit(self.ctx.tier)

@@ -49,9 +49,11 @@ class RestoreResult:
     seconds: float
     problems: tuple[str, ...] = ()  # the copies skipped on the way, each naming step, tier, file and frame
     tier_by_rank: tuple[str, ...] = ()  # the tier that served each rank's part, by rank (``tier`` is this rank's)
-    # Rank-local providers left as they were: the checkpoint, saved by fewer ranks, holds none of this rank's state.
+    # Rank-local providers the checkpoint, saved by fewer ranks, holds none of this rank's state of: left as they
+    # were (``kept``), or given a state of their own derived from rank 0's and this rank (``derived``).
     kept: tuple[str, ...] = ()
     source: str = ""  # where this rank's copy was read: its directory, or ``s3://bucket/prefix/step-N``
+    derived: tuple[str, ...] = ()
 
 
 def nearest_first(tiers: list[FilesystemTier], peer_copies: list[FilesystemTier] | None = None) -> list[FilesystemTier]:

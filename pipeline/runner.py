@@ -294,7 +294,7 @@ class Runner:
         whole number from 0 to 2**50, and a runner with nothing registered; any later failure is
         reported on the handle and in the log, never raised here.
         """
-        started = time.perf_counter()
+        started, requested = time.perf_counter(), time.monotonic()  # the stats' seconds count from the request
         self._refuse_if_closed(f"checkpoint({step!r})")
         step = checked_step(step, self.durable_tier, self._group is not None, bool(self.providers.children))
         durable_on = self._buckets.persist_bucket or self.config.persist_tier  # a bucket, published from its staging
@@ -323,7 +323,7 @@ class Runner:
             self._inflight = completer
             job = CheckpointJob(
                 self._job_context(request.declined), step, request.plan, request.ready, request.on_captured,
-                handle.stats, request.sources,
+                handle.stats, request.sources, requested,
             )  # fmt: skip
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)

@@ -117,7 +117,7 @@ class DeferredListing(Batched, OwnsOptimizer, Protocol):
     def restated(self, key: str, value: Any) -> Any: ...
 
 
-MissingRank = Literal["keep", "error"]
+MissingRank = Literal["derive", "keep", "error"]
 
 
 @runtime_checkable
@@ -127,10 +127,22 @@ class RankLocal(Protocol):
     would draw the same dropout masks and samples).
 
     The restore reads the checkpoint's world size first; on a rank at or beyond it, such a provider
-    (registered at the top level) is not restored: ``missing_rank == "keep"`` leaves its live state
-    as it is and names it in ``RestoreResult.kept``; ``"error"`` fails the restore on every rank."""
+    (registered at the top level) is not restored from the checkpoint. ``missing_rank == "derive"``
+    gives it a state of its own derived from rank 0's restored state and this rank (:meth:`derive`:
+    distinct on every rank, the same on every restore of that checkpoint) and names it in
+    ``RestoreResult.derived``; ``"keep"`` leaves its live state as it is and names it in
+    ``RestoreResult.kept``; ``"error"`` fails the restore on every rank."""
 
     missing_rank: MissingRank
+
+    def digest(self) -> bytes:
+        """A digest of its live state (on rank 0 after a restore: the state that rank saved)."""
+        ...
+
+    def derive(self, digest: bytes, rank: int) -> None:
+        """Set a state of its own for ``rank``, which the checkpoint holds none of, from ``digest`` (rank 0's
+        :meth:`digest`) and ``rank``."""
+        ...
 
 
 class ReadState(Mapping[str, Any]):

@@ -6,6 +6,7 @@ so the state that belongs to a checkpoint is the one at the moment it was reques
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -38,16 +39,18 @@ class RNGProvider:
     the items this provider would describe now.
 
     Each rank's generators are its own (:class:`~tierstate.providers.base.RankLocal`): restored on
-    more ranks than saved the checkpoint, a rank with no saved state of its own keeps its generators
-    as they are (``missing_rank="keep"``, named in ``RestoreResult.kept``) or fails the restore
-    (``"error"``); it never takes another rank's.
+    more ranks than saved the checkpoint, a rank with no saved state of its own never takes another
+    rank's. By default (``missing_rank="derive"``) its generators are seeded from a digest of rank 0's
+    saved state and its own rank (:meth:`derive`), so every rank draws a stream of its own, the same
+    on every restore of that checkpoint, named in ``RestoreResult.derived``; ``"keep"`` leaves them as
+    they are (named in ``RestoreResult.kept``), ``"error"`` fails the restore.
     """
 
-    def __init__(self, cuda: bool | None = None, missing_rank: MissingRank = "keep") -> None:
+    def __init__(self, cuda: bool | None = None, missing_rank: MissingRank = "derive") -> None:
         if cuda and not torch.cuda.is_available():
             raise RuntimeError("RNGProvider(cuda=True) but torch.cuda.is_available() is False")
-        if missing_rank not in ("keep", "error"):
-            raise ValueError(f"RNGProvider(missing_rank=...): 'keep' or 'error', got {missing_rank!r}")
+        if missing_rank not in ("derive", "keep", "error"):
+            raise ValueError(f"RNGProvider(missing_rank=...): 'derive', 'keep' or 'error', got {missing_rank!r}")
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.missing_rank: MissingRank = missing_rank
 
@@ -87,6 +90,30 @@ class RNGProvider:
             np.random.set_state((npy["name"], key, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
         for i, key in enumerate(cuda_keys):
             torch.cuda.set_rng_state(_generator_state(state[key], key), i)
+
+
+    def digest(self) -> bytes:
+        """A digest of every generator's state as it is now (after a restore: the saved one)."""
+        hashed = hashlib.blake2b(digest_size=16)
+        version, internal, gauss_next = random.getstate()
+        hashed.update(repr((version, internal, gauss_next)).encode())
+        hashed.update(torch.get_rng_state().numpy().tobytes())
+        if np is not None:
+            legacy = cast("tuple[str, NDArray[uint32], int, int, float]", np.random.get_state(legacy=True))
+            name, key, pos, has_gauss, cached = legacy
+            hashed.update(key.tobytes() + repr((name, pos, has_gauss, cached)).encode())
+        for i, _key in enumerate(self._cuda_keys()):
+            hashed.update(torch.cuda.get_rng_state(i).numpy().tobytes())
+        return hashed.digest()
+
+    def derive(self, digest: bytes, rank: int) -> None:
+        """Seed every generator from ``digest`` (another rank's saved state) and ``rank``: a stream of this
+        rank's own, never a copy of another's, and the same whenever the same checkpoint is restored."""
+        seed = int.from_bytes(hashlib.blake2b(digest + rank.to_bytes(8, "little"), digest_size=8).digest(), "little")
+        random.seed(seed)
+        torch.manual_seed(seed)  # CPU and every CUDA device
+        if np is not None:
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
 
 
 def _generator_state(value: Any, key: str) -> torch.Tensor:

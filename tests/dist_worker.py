@@ -409,17 +409,18 @@ def agree(s: Scenario) -> None:
 
 def rng_more_ranks(s: Scenario) -> None:
     """Restore the one-process checkpoint of RNGs the test wrote (``tiers/rng1``) on two ranks: rank 0
-    gets the saved streams; rank 1, which the checkpoint holds nothing of, keeps its own (or, asked
-    to, refuses); what each draws next, and what the restore said."""
+    gets the saved streams; rank 1, which the checkpoint holds nothing of, derives its own from rank 0's
+    (or, asked to, keeps its own, or refuses); what each draws next, and what the restore said."""
     seen: dict[str, Any] = {}
-    for case, missing_rank in (("keep", "keep"), ("error", "error")):
+    for case in ("derive", "keep", "error"):
         torch.manual_seed(1000 + s.rank)  # this rank's own stream before the restore
         runner = s.runner("rng1")
         values = {"w": torch.zeros(4)}
-        runner.register(rng=RNGProvider(missing_rank=missing_rank), t=TensorDictProvider(values))
+        runner.register(rng=RNGProvider(missing_rank=case), t=TensorDictProvider(values))
         try:
             result = runner.restore("latest")
-            seen[case] = {"kept": list(result.kept), "w": values["w"].tolist(), "draws": torch.rand(4).tolist()}
+            seen[case] = {"kept": list(result.kept), "derived": list(result.derived), "w": values["w"].tolist(),
+                          "draws": torch.rand(4).tolist()}  # fmt: skip
         except TierstateError as exc:
             seen[case] = {"error": f"{type(exc).__name__}: {exc}", "w": values["w"].tolist()}
         runner.close()

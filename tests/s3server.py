@@ -1,5 +1,12 @@
 """A real S3-protocol server for the s3 tier tests, and a real HTTP proxy in front of it that drops or
-throttles chosen requests (moto cannot inject faults; a proxy on 127.0.0.1 is the network failing)."""
+throttles chosen requests (moto cannot inject faults; a proxy on 127.0.0.1 is the network failing).
+
+moto checks a conditional write's precondition (``If-Match``, ``If-None-Match: *``) and then writes,
+two steps another request can fall between, where S3 checks and writes atomically. The server here is
+given S3's semantics (:func:`_atomic_writes`: one lock around every write or delete of an object), and
+can hold back the answer of one chosen request until another has been answered (:func:`held_answer`),
+which is how the tests delay one writer's read without sleeping in the code under test.
+"""
 
 from __future__ import annotations
 
@@ -35,11 +42,90 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _Hold:
+    """The answer of the first ``method`` request whose key ends in ``suffix``, held until a ``release``
+    request (method, key suffix) has been answered with success (2xx)."""
+
+    def __init__(self, method: str, suffix: str, release: tuple[str, str]) -> None:
+        self.method, self.suffix, self.release = method, suffix, release
+        self.taken = False
+        self.holding = threading.Event()  # an answer is being held
+        self.released = threading.Event()
+
+
+_holds: list[_Hold] = []
+_holds_lock = threading.Lock()
+HOLD_LIMIT = 30.0  # a held answer goes out after this long even unreleased: a test fails, it never hangs
+
+
+@contextmanager
+def held_answer(method: str, suffix: str, release: tuple[str, str]) -> Iterator[_Hold]:
+    """Hold the answer of the next ``method`` request for a key ending in ``suffix`` (computed when it
+    arrives: what it reads is what was there then) until a request matching ``release`` (method, key suffix)
+    has succeeded."""
+    hold = _Hold(method, suffix, release)
+    with _holds_lock:
+        _holds.append(hold)
+    try:
+        yield hold
+    finally:
+        hold.released.set()
+        with _holds_lock:
+            _holds.remove(hold)
+
+
+def _answered(method: str, path: str, answer: object) -> object:
+    """Called by the server with every object request's answer before it goes out: a hold applies here."""
+    mine = None
+    succeeded = isinstance(answer, tuple) and isinstance(answer[0], int) and 200 <= answer[0] < 300
+    with _holds_lock:
+        for hold in _holds:
+            if hold.taken and succeeded and hold.release[0] == method and path.endswith(hold.release[1]):
+                hold.released.set()
+            if mine is None and not hold.taken and hold.method == method and path.endswith(hold.suffix):
+                hold.taken, mine = True, hold
+    if mine is not None:
+        mine.holding.set()
+        mine.released.wait(HOLD_LIMIT)
+    return answer
+
+
+def _atomic_writes() -> None:
+    """Give moto S3's atomic conditional writes: every write or delete of an object (a conditional one
+    checks, then writes) runs under one lock, so no request falls between a check and its write. And
+    route each object request's answer through :func:`_answered`. Idempotent."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "_tierstate_atomic", False):
+        return
+    lock = threading.RLock()
+
+    def locked(method):  # noqa: ANN001, ANN202
+        def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            with lock:
+                return method(self, *args, **kwargs)
+
+        return call
+
+    for name in ("put_object", "delete_object", "_bucket_response_delete_keys", "_key_response_post"):
+        setattr(S3Response, name, locked(getattr(S3Response, name)))
+    key_response = S3Response.key_response
+
+    def answered(self, request, full_url, headers):  # noqa: ANN001, ANN202
+        answer = key_response(self, request, full_url, headers)
+        return _answered(request.method, full_url.split("?", 1)[0], answer)
+
+    S3Response.key_response = answered
+    S3Response._tierstate_atomic = True
+
+
 @contextmanager
 def moto_server() -> Iterator[str]:
-    """moto's ThreadedMotoServer on a free port of 127.0.0.1; its endpoint URL."""
+    """moto's ThreadedMotoServer on a free port of 127.0.0.1, with S3's atomic conditional writes; its
+    endpoint URL."""
     from moto.server import ThreadedMotoServer
 
+    _atomic_writes()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
     server.start()
     host, port = server.get_host_and_port()

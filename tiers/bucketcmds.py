@@ -4,7 +4,7 @@ Each returns the result types of :mod:`tiers.commands` (ls entries, :class:`~tie
 :class:`~tiers.migrate.MigrateReport`, retention :class:`~tiers.retention.Decision` and
 :class:`~tiers.retention.Leftover`), so the command line renders a bucket's results next to a
 directory tier's, and a script reading ``--json`` sees one shape. Reading goes through the read
-object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.verify.verify_source` over a
+object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.integrity.verify_source` over a
 :class:`~tiers.s3tier.BucketSource`): the frames of a bucket are checked by the code that checks a
 directory's. Copies to and from a bucket are :mod:`tiers.transfer`'s.
 """
@@ -20,10 +20,11 @@ from .catalog import summary
 from .format import ManifestError
 from .integrity import Problem
 from .manifest import MANIFEST_NAME
+from .names import STEP_PREFIX, step_name
 from .objstore import Progress
 from .policy import FlushPolicy, RetentionPolicy
 from .retention import Decision, Leftover
-from .s3tier import S3Tier
+from .s3tier import S3Tier, step_of_object
 from .stored import StoredCheckpoint
 from .verify import VerifyResult
 
@@ -40,11 +41,11 @@ class BucketPolicies:
 def _step_bytes(tier: S3Tier) -> dict[int, tuple[int, datetime]]:
     """Per step with objects under its prefix: their total size and the newest one's time."""
     found: dict[int, tuple[int, datetime]] = {}
-    for obj in tier.store.list("step-"):
-        head = obj.name.split("/", 1)[0].removeprefix("step-")
-        if head.isdigit():
-            size, newest = found.get(int(head), (0, obj.modified))
-            found[int(head)] = (size + obj.size, max(newest, obj.modified))
+    for obj in tier.store.list(STEP_PREFIX):
+        step = step_of_object(obj.name)
+        if step is not None:
+            size, newest = found.get(step, (0, obj.modified))
+            found[step] = (size + obj.size, max(newest, obj.modified))
     return found
 
 
@@ -63,7 +64,7 @@ def bucket_entries(tier: S3Tier) -> list[dict[str, Any]]:
     for step, (size, newest) in sorted(_step_bytes(tier).items()):
         if step not in steps:
             age = round((now - newest).total_seconds(), 1)
-            entry = {"tier": tier.name, "step": f"step-{step}", "state": "partial", "stored_bytes": size, "age_s": age}
+            entry = {"tier": tier.name, "step": step_name(step), "state": "partial", "stored_bytes": size, "age_s": age}
             entries.append(entry)
     return entries
 
@@ -78,7 +79,7 @@ def verify_bucket_step(tier: S3Tier, step: int, progress: Progress | None = None
         problems, stored = checkpoint.verify(progress), checkpoint.stored_bytes
     except ManifestError as exc:
         problems, stored = [Problem(MANIFEST_NAME, None, str(exc))], 0
-    where = tier.store.where(f"step-{step}")
+    where = tier.store.where(step_name(step))
     return VerifyResult(tier.name, step, where, stored, time.perf_counter() - started, problems)
 
 

@@ -139,31 +139,30 @@ class Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-def zstd_blocks(stored: bytes | memoryview | Readable, raw_length: int, stop: int | None = None) -> Iterator[bytes]:
-    """The first ``stop`` (default: all ``raw_length``) decoded bytes of a zstd frame, in blocks.
+def zstd_blocks(stored: bytes | memoryview | Readable, raw_length: int) -> Iterator[bytes]:
+    """The decoded bytes of a zstd frame, in blocks.
 
     Streaming, so memory is one block plus zstd's window however far the frame expands: a frame
     within zstd's ratio can still claim gigabytes, and only the bytes a reader wants are kept (by
-    it). The frame must decode to its ``raw_length``: a CodecError when it ends short of ``stop``,
-    or, decoded to the end, goes beyond it.
+    it). The frame must decode to exactly its ``raw_length``: a CodecError when it ends short of it
+    or goes beyond it.
     """
-    stop = raw_length if stop is None else stop
     done = 0
     try:
         # A stream needs only read(): zstandard takes any object that has one.
         source = stored if isinstance(stored, bytes | memoryview) else cast("IO[bytes]", stored)
         with zstandard.ZstdDecompressor().stream_reader(source) as reader:
-            while done < stop:
-                block = reader.read(min(DECODE_BLOCK, stop - done))
+            while done < raw_length:
+                block = reader.read(min(DECODE_BLOCK, raw_length - done))
                 if not block:
                     break
                 done += len(block)
                 yield block
-            if done == raw_length and reader.read(1):
+            if reader.read(1):
                 raise CodecError(f"zstd frame decodes to more than the {raw_length} bytes the manifest says")
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd frame does not decode: {exc}") from None
-    if done < stop:
+    if done < raw_length:
         raise CodecError(f"zstd frame decodes to {done} bytes, manifest says {raw_length}")
 
 

@@ -37,12 +37,14 @@ from . import faults
 from .format import ManifestBody, ManifestError, manifest_bytes, read_manifest
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
 from .manifest import MANIFEST_NAME, Manifest
+from .names import STEP_NUMBER, STEP_PREFIX, parse_step_name, step_name
 from .safeopen import is_real_dir, kind_of, make_dir, open_read, write_durably
 
-STEP_DIR_RE = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"  # a step being deleted by retention (see tiers.retention)
-_NAMED_LIKE_A_STEP_RE = re.compile(rf"^step-(\d+)({re.escape(PARTIAL_SUFFIX)}|{re.escape(DELETING_SUFFIX)})?$")
+_NAMED_LIKE_A_STEP_RE = re.compile(
+    rf"^{STEP_PREFIX}{STEP_NUMBER}({re.escape(PARTIAL_SUFFIX)}|{re.escape(DELETING_SUFFIX)})?\Z"
+)
 
 
 class TierError(TierstateError, OSError):
@@ -76,7 +78,7 @@ class InvalidEntry:
     @property
     def named_as_checkpoint(self) -> bool:
         """Whether its name is a committed checkpoint's (``step-N``), not a partial's or deletion's."""
-        return self.path.name == f"step-{self.step}"
+        return self.path.name == step_name(self.step)
 
     def __str__(self) -> str:
         return f"{self.what}: {self.reason}"
@@ -132,14 +134,14 @@ class FilesystemTier:
     _locks: _WriterLocks = field(default_factory=_WriterLocks, init=False, repr=False, compare=False)
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step-{step}"
+        return self.root / step_name(step)
 
     def location(self, step: int) -> Path:
         """Where ``step`` is, as :class:`tiers.stored.StoredCheckpoint` takes it (a bucket gives a source)."""
         return self.step_dir(step)
 
     def partial_dir(self, step: int) -> Path:
-        return self.root / f"step-{step}{PARTIAL_SUFFIX}"
+        return self.root / f"{step_name(step)}{PARTIAL_SUFFIX}"
 
     def begin(self, step: int) -> Path:
         """Create a fresh partial directory for ``step``, locked until commit or abort.
@@ -249,9 +251,9 @@ class FilesystemTier:
         """Committed steps, ascending: real directories named step-N whose manifest is a regular file."""
         found = []
         for entry in self.entries():
-            match = STEP_DIR_RE.match(entry.name)
-            if match and entry.is_dir(follow_symlinks=False) and _manifest_problem(entry.path) is None:
-                found.append(int(match.group(1)))
+            step = parse_step_name(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False) and _manifest_problem(entry.path) is None:
+                found.append(step)
         return sorted(found)
 
     def holds(self, step: int) -> bool:
@@ -289,8 +291,15 @@ class FilesystemTier:
         return _allocated(str(self.root), _TIER_DEPTH)
 
     def partials(self) -> list[Path]:
-        """Partial directories (real ones: a symlink named so is :meth:`invalid`)."""
-        found = (e for e in self.entries() if e.name.endswith(PARTIAL_SUFFIX) and e.is_dir(follow_symlinks=False))
+        """Partial directories, ``step-N.partial`` by the strict grammar (real ones: a symlink named so is
+        :meth:`invalid`; a ``step-05.partial`` is no partial of this tier's and is left alone)."""
+        found = (
+            e
+            for e in self.entries()
+            if (match := _NAMED_LIKE_A_STEP_RE.match(e.name)) is not None
+            and match.group(2) == PARTIAL_SUFFIX
+            and e.is_dir(follow_symlinks=False)
+        )
         return sorted(Path(e.path) for e in found)
 
 

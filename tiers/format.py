@@ -25,7 +25,7 @@ from tierstate.errors import TierstateError
 
 from .dtypes import UnknownDtypeError, dtype_from_name
 from .gcpause import gc_paused
-from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, new_checkpoint_id
 from .names import data_file_name, data_file_rank, parse_rank_file
 from .records import (
     AliasRecord,
@@ -99,9 +99,11 @@ def alias_body(of: str) -> dict[str, Any]:
 
 
 def manifest_body(step: int, files: dict[str, FileRecord], items: dict[str, dict[str, Any]]) -> ManifestBody:
-    """A one-rank manifest's JSON body: the few top-level fields from :class:`Manifest` itself (so
-    defaults cannot drift), the many items as given."""
-    body = Manifest(step=step, created=now_iso(), files=files, items={}).model_dump(mode="json")
+    """A one-rank manifest's JSON body, of a new checkpoint (its id drawn now): the few top-level fields
+    from :class:`Manifest` itself (so defaults cannot drift), the many items as given."""
+    body = Manifest(
+        step=step, created=now_iso(), files=files, items={}, checkpoint_id=new_checkpoint_id()
+    ).model_dump(mode="json")
     body["items"] = items
     return body
 
@@ -281,6 +283,7 @@ def index_bytes(rank: int, step: int, file: FileRecord, items: dict[str, dict[st
     return cast(bytes, packed)  # untyped: None comes only from a Packer(autoreset=False), never from packb
 
 
+@gc_paused()  # a record per item, as the manifest's: see tiers/gcpause.py (here it was 60% of the parse)
 def parse_index(raw: bytes, source: str) -> IndexRecord:
     """Parse and fully validate an index; every problem is a ManifestError naming ``source``.
 

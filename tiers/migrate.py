@@ -37,7 +37,7 @@ from .due import record_receipt
 from .filesystem import FilesystemTier
 from .format import checksum, manifest_bytes
 from .framefile import BLOCK, hash_range
-from .integrity import frame_problem, index_problem
+from .integrity import Problem, file_problems, frame_problem, index_problem, index_problems, object_problems
 from .locks import InUseError, exclusive, reading
 from .manifest import Manifest, NodePart
 from .nodeparts import part_marker, publish_parts
@@ -83,11 +83,6 @@ class MigrateReport:
 
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "path": str(self.path), "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3)}
-
-
-def same_checkpoint(a: Manifest, b: Manifest) -> bool:
-    """Whether two manifests describe the same checkpoint (possibly in different formats)."""
-    return a.step == b.step and a.created == b.created and a.items.keys() == b.items.keys()
 
 
 class _FrameCopier:
@@ -199,6 +194,12 @@ def _remove_strays(partial: Path, keep: set[str]) -> None:
             remove(entry)
 
 
+def _refuse(problems: list[Problem], where: Path) -> None:
+    """A CorruptCheckpointError naming the first of ``problems`` of the checkpoint in ``where``, if any."""
+    if problems:
+        raise CorruptCheckpointError(f"{where / problems[0].file}: {problems[0].message}; not migrating it")
+
+
 def _copy_all(
     source_dir: Path,
     manifest: Manifest,
@@ -207,12 +208,16 @@ def _copy_all(
     pacer: Pacer | None,
     progress: Progress | None,
 ) -> Manifest:
-    """Same format: resume or start the frame-by-frame copy; the manifest to publish is the source's."""
+    """Same format: resume or start the frame-by-frame copy, held to the checks of tiers/integrity.py (the
+    source's file sizes first, each index and frame before it is written, the objects of the copy before it
+    is published); the manifest to publish is the source's."""
+    _refuse(file_problems(source_dir, manifest), source_dir)
     copy = _Copy(report, pacer, progress)
     for name, digest in sorted(manifest.indexes.items()):  # small and checked whole: a bad one fails first
         copy.small_file(source_dir / name, partial / name, digest)
     for name, record in sorted(manifest.files.items()):
         copy.data_file(source_dir / name, partial / name, record)
+    _refuse(object_problems(partial, manifest), source_dir)
     return manifest
 
 
@@ -226,7 +231,9 @@ def _convert(
     pacer: Pacer | None,
     progress: Progress | None,
 ) -> Manifest:
-    """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest."""
+    """Another format: rewrite from scratch (paced like a copy) and verify the result; its new manifest. The
+    rewrite writes indexes of its own, so the source's are checked first, with its file sizes."""
+    _refuse(file_problems(source_dir, manifest) + index_problems(source_dir, manifest), source_dir)
     _remove_strays(partial, set())
     published = rewrite(source_dir, manifest, partial, fmt, align, paced(progress, pacer))
     problems = StoredCheckpoint(partial, manifest=published).verify()
@@ -363,7 +370,7 @@ def migrate(
         manifest = source.manifest(step)
         wanted = fmt or container_format(manifest, str(source_dir))
         existing = target.manifest(step) if step in target.steps() else None
-        if existing is not None and not same_checkpoint(existing, manifest):
+        if existing is not None and not existing.same_checkpoint(manifest):
             raise MigrateError(
                 f"tier {target.name} already holds a different checkpoint for step {step} "
                 f"(created {existing.created}; the one on {source.name} was created {manifest.created})"

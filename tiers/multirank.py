@@ -34,11 +34,13 @@ class RankPart:
 
 
 def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
-    """The global manifest of ``parts`` (one per rank, ranks 0..n-1); ManifestError says what clashes."""
+    """The global manifest of ``parts`` (one per rank, ranks 0..n-1); ManifestError says what clashes.
+    The checkpoint's id is rank 0's: the merged manifest is the one every rank and node then commits."""
     ranks = sorted(part.rank for part in parts)
     if ranks != list(range(len(parts))):
         raise ManifestError(f"step {step}: parts from ranks {ranks}, expected one from each of 0..{len(parts) - 1}")
     files, indexes, stats = {}, {}, {}
+    leader = next(part for part in parts if part.rank == 0)
     placed: dict[str, dict[int, str]] = defaultdict(dict)
     plain: dict[str, AnyRecord] = {}
     shards: dict[str, list[TensorRecord]] = defaultdict(list)
@@ -76,6 +78,7 @@ def merge_parts(step: int, parts: Sequence[RankPart]) -> Manifest:
         version=oldest_version(items),
         step=step,
         created=now_iso(),
+        checkpoint_id=leader.manifest.checkpoint_id,
         world_size=len(parts),
         files=files,
         indexes=indexes,

@@ -1,10 +1,13 @@
-"""The names of a rank's files in a checkpoint directory, and reading a rank back out of a name.
+"""The names of a checkpoint and of a rank's files in it, and reading a step or rank back out of a name.
 
-Each rank writes one data file (``rank-NNNNN.data`` in the frames container, ``rank-NNNNN.h5`` in
-HDF5) and one index (``rank-NNNNN.index``). Writers, the manifest's name checks, format conversion
-and restore's "who wrote this" all use this one grammar, so a name one of them writes is a name
-the others accept. Parsing is strict (exactly five ASCII digits, nothing after the suffix): a
-manifest names files only this way, which is what keeps its paths inside the checkpoint directory.
+A checkpoint of step N is ``step-N`` (a directory, or a bucket's ``step-N/`` prefix), written with
+no leading zeros. Each rank writes one data file (``rank-NNNNN.data`` in the frames container,
+``rank-NNNNN.h5`` in HDF5) and one index (``rank-NNNNN.index``). Writers, listings, the manifest's
+name checks, format conversion and restore's "who wrote this" all use this one grammar, so a name
+one of them writes is a name the others accept. Parsing is strict (ASCII digits only, nothing after
+the name; a step without leading zeros, so ``step-04`` is no name of step 4 and is never listed as
+it): a manifest names files only this way, which is what keeps its paths inside the checkpoint
+directory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ DATA_KINDS: tuple[RankFileKind, ...] = ("data", "h5")  # the frames container, t
 
 # \Z, not $: "$" also matches before a trailing newline; [0-9], not \d: \d matches any Unicode digit.
 _RANK_FILE = re.compile(r"^rank-([0-9]{5})\.(data|h5|index)\Z")
+#: A step as its name spells it: no leading zero (``step-04`` names nothing), at most 18 digits (a manifest's
+#: steps stay below 2**50; int() of a name of thousands of digits would raise instead of answering None).
+STEP_NUMBER = r"(0|[1-9][0-9]{0,17})"
+STEP_PREFIX = "step-"
+_STEP = re.compile(rf"^{STEP_PREFIX}{STEP_NUMBER}\Z")
 
 
 class RankFile(NamedTuple):
@@ -24,6 +32,17 @@ class RankFile(NamedTuple):
 
     rank: int
     kind: RankFileKind
+
+
+def step_name(step: int) -> str:
+    """The name of step ``step``'s checkpoint: ``step-12``."""
+    return f"{STEP_PREFIX}{step}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step ``name`` is the checkpoint name of, or None (``step-04``, ``step-4x``, a non-ASCII digit)."""
+    match = _STEP.match(name)
+    return None if match is None else int(match.group(1))
 
 
 def rank_file_name(rank: int, kind: RankFileKind) -> str:

@@ -76,10 +76,10 @@ def join_parts(step: int, parts: list[Manifest]) -> Manifest:
     for part in parts:
         if part.node_part is None or part.node_part.nodes != nodes:
             raise ManifestError(f"step {step}: node parts disagree on the job's nodes")
-        if part.step != step or part.created != first.created or part.items != first.items:
+        if not part.same_checkpoint(first) or part.step != step or part.items != first.items:
             raise ManifestError(
                 f"step {step}: node {part.node_part.node}'s part is of another checkpoint "
-                f"(created {part.created}, not {first.created})"
+                f"(id {part.checkpoint_id}, created {part.created}; not {first.checkpoint_id}, {first.created})"
             )
     if sorted(p.node_part.node for p in parts if p.node_part) != nodes:
         raise ManifestError(f"step {step}: parts of nodes {[p.node_part for p in parts]}, expected one of each {nodes}")

@@ -51,6 +51,10 @@ class ObjectMissingError(TierError, FileNotFoundError):
     """No object of that name (or no bucket): a FileNotFoundError, as a missing file is."""
 
 
+class ObjectChangedError(TierError):
+    """A conditional write or delete (``If-Match``) found the object replaced: another writer got there first."""
+
+
 @dataclass(frozen=True)
 class S3Url:
     bucket: str
@@ -98,6 +102,7 @@ class StoredObject:
     name: str  # the key below the store's prefix
     size: int
     modified: datetime
+    etag: str = ""  # the server's digest of its bytes: any rewrite changes it (unless the bytes are the same)
 
 
 @dataclass(frozen=True)
@@ -222,14 +227,18 @@ class ObjectStore:
         self.list("")  # head_bucket may pass with credentials that cannot list; a listing is what reads need
 
     # -- writes -------------------------------------------------------------------------------
-    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> None:
-        """One object; ``if_absent`` is the conditional put (``If-None-Match: *``): CheckpointExistsError
-        if the name exists, so of two writers exactly one publishes."""
+    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str:
+        """One object; its ETag. ``if_absent`` is the conditional put ``If-None-Match: *``:
+        CheckpointExistsError if the name exists, so of two writers exactly one publishes. ``if_match``
+        replaces the object only while its ETag is that one (S3 checks and writes atomically):
+        ObjectChangedError if another writer replaced it meanwhile, ObjectMissingError if it is gone."""
         extra: dict[str, str] = {"IfNoneMatch": "*"} if if_absent else {}
+        if if_match is not None:
+            extra["IfMatch"] = if_match
         from botocore.exceptions import ClientError
 
         try:
-            self._call(
+            answer = self._call(
                 "write",
                 name,
                 lambda: self._client.put_object(
@@ -238,23 +247,31 @@ class ObjectStore:
             )
         except TierError as exc:
             cause = exc.__cause__
-            if if_absent and isinstance(cause, ClientError) and _error_code(cause) in _PRECONDITION_CODES:
-                raise CheckpointExistsError(
-                    errno.EEXIST, f"tier {self.tier}: {self.where(name)} already exists (another writer published it)"
-                ) from None
+            if isinstance(cause, ClientError) and _error_code(cause) in _PRECONDITION_CODES:
+                if if_absent:
+                    raise CheckpointExistsError(
+                        errno.EEXIST,
+                        f"tier {self.tier}: {self.where(name)} already exists (another writer published it)",
+                    ) from None
+                if if_match is not None:
+                    raise self._changed(name) from None
             raise
+        return str(answer["ETag"])
 
-    def put_file(self, name: str, fd: int, size: int, progress: Progress | None = None) -> None:
-        """The first ``size`` bytes of open file ``fd`` as one object: multipart when larger than a part,
-        its parts uploaded in parallel, each with its CRC32 checked by the server. A failed upload is
+    def _changed(self, name: str) -> ObjectChangedError:
+        return ObjectChangedError(errno.EBUSY, f"tier {self.tier}: {self.where(name)} was replaced by another writer")
+
+    def put_file(self, name: str, fd: int, size: int, progress: Progress | None = None) -> str:
+        """The first ``size`` bytes of open file ``fd`` as one object, its ETag: multipart when larger than a
+        part, its parts uploaded in parallel, each with its CRC32 checked by the server. A failed upload is
         aborted; one cut short by a kill is left for gc (:meth:`uploads`). Fault point ``s3.part`` is
         reached after each part is uploaded, ``s3.object`` after an object put whole."""
         advance = progress or (lambda _n: None)
         if size <= self.part_size:
-            self.put_bytes(name, os.pread(fd, size, 0) if size else b"")
+            etag = self.put_bytes(name, os.pread(fd, size, 0) if size else b"")
             advance(size)
             faults.point("s3.object")  # TIERSTATE_FAULT=s3.object@N: SIGKILL between the objects of a step
-            return
+            return etag
         part_size = max(self.part_size, -(-size // _MAX_PARTS))
         key = self.key(name)
         created = self._call(
@@ -282,7 +299,7 @@ class ObjectStore:
         try:
             with ThreadPoolExecutor(self.workers, thread_name_prefix="tierstate-s3-put") as pool:
                 parts = list(pool.map(part, range(1, -(-size // part_size) + 1)))
-            self._call(
+            completed = self._call(
                 "complete the multipart upload of",
                 name,
                 lambda: self._client.complete_multipart_upload(
@@ -292,6 +309,27 @@ class ObjectStore:
         except BaseException:
             self.abort_upload(Upload(name, upload_id, datetime.now()))
             raise
+        return str(completed["ETag"])
+
+    def delete_if(self, name: str, etag: str) -> bool:
+        """Delete ``name`` only while its ETag is ``etag`` (``If-Match``: S3 checks and deletes atomically);
+        whether it was deleted (False: another writer replaced or removed it, and it is theirs now)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call(
+                "delete",
+                name,
+                lambda: self._client.delete_object(Bucket=self.url.bucket, Key=self.key(name), IfMatch=etag),
+            )
+        except ObjectMissingError:
+            return False
+        except TierError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ClientError) and _error_code(cause) in _PRECONDITION_CODES:
+                return False
+            raise
+        return True
 
     def delete(self, names: list[str]) -> None:
         for start in range(0, len(names), 1000):  # DeleteObjects takes 1,000 keys a request
@@ -329,8 +367,14 @@ class ObjectStore:
         return data
 
     def get_bytes(self, name: str) -> bytes:
-        def read() -> bytes:
-            return self._client.get_object(Bucket=self.url.bucket, Key=self.key(name))["Body"].read()
+        return self.get_versioned(name)[0]
+
+    def get_versioned(self, name: str) -> tuple[bytes, str]:
+        """A whole object and its ETag, as one answer (so a conditional write can name what was read)."""
+
+        def read() -> tuple[bytes, str]:
+            answer = self._client.get_object(Bucket=self.url.bucket, Key=self.key(name))
+            return answer["Body"].read(), str(answer["ETag"])
 
         return self._call("read", name, read)
 
@@ -358,7 +402,7 @@ class ObjectStore:
 
         for page in self._call("list", under, lambda: list(pages())):
             for obj in page.get("Contents", []):
-                found.append(StoredObject(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"]))
+                found.append(StoredObject(obj["Key"][strip:], int(obj["Size"]), obj["LastModified"], obj["ETag"]))
         return found
 
     def uploads(self) -> list[Upload]:

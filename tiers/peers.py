@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .filesystem import FilesystemTier
 from .format import ManifestError, parse_manifest
-from .integrity import verify_directory
+from .integrity import verify_source
 from .manifest import MANIFEST_NAME
 from .names import parse_rank_file
 from .pieces import CorruptCheckpointError
@@ -111,7 +111,7 @@ class ReceivedPart:
         expected = sorted([*manifest.files, *manifest.indexes])
         if present != expected:
             raise CorruptCheckpointError(f"{self.partial}: received {present}, the manifest names {expected}")
-        problems = verify_directory(self.partial, manifest)
+        problems = verify_source(self.partial, manifest)
         if problems:
             raise CorruptCheckpointError(f"{self.partial}: {'; '.join(str(p) for p in problems)}")
         final = self.tier.commit(self.step, manifest)

@@ -31,7 +31,7 @@ from .due import FlushGraph, copies_of, fed_by, holdings, record_receipt, record
 from .filesystem import FilesystemTier
 from .format import ManifestError
 from .locks import claim_tier
-from .migrate import MigrateReport, same_checkpoint
+from .migrate import MigrateReport
 from .pacing import Pacer
 from .pieces import CorruptCheckpointError
 from .retention import Decision, TierPolicies, collect_garbage, graph_of, prune
@@ -106,7 +106,7 @@ def note_received(
         if not graph.carries(tier.name, receiver, step) and tier.name != source.name:
             continue
         try:
-            if tier.name == source.name or same_checkpoint(tier.manifest(step), published):
+            if tier.name == source.name or tier.manifest(step).same_checkpoint(published):
                 record_receipt(tier, step, receiver)
         except (OSError, ManifestError):
             continue

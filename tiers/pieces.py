@@ -12,8 +12,9 @@ must be as long as the frame's end; a frame with holes (a sparse file claims any
 is verified first, its holes hashed as the zeros they read as; destination buffers are allocated
 only when their first piece is about to be filled; the bytes of a frame between wanted pieces go
 through one bounded block; and a compressed frame is decoded as a stream into the wanted pieces,
-stopping once they are filled, so a frame within zstd's ratio that claims gigabytes keeps none of
-them. An allocation that fails is a :class:`ReadTooLargeError` naming what it was for.
+dropping every decoded byte past them, so a frame within zstd's ratio that claims gigabytes keeps
+none of them (it is decoded to its end all the same: its stated length is checked, as verify checks
+it). An allocation that fails is a :class:`ReadTooLargeError` naming what it was for.
 
 Everything above (cutting shards, :mod:`tiers.reshard`; decoding items, :mod:`tiers.reader`;
 format conversion) reads through :func:`read_pieces` into a :class:`ByteBuffers`.
@@ -208,7 +209,7 @@ class _FrameScatter:
         self.width = frame.shuffle
         self.plane = frame.raw_length // frame.shuffle
         last = self._reach[-1] if wanted else 0
-        # Decoding can stop after the stream position of the last wanted byte (in the last plane).
+        # The stream position after the last wanted byte (in the last plane): nothing past it is put anywhere.
         self.needed = (self.width - 1) * self.plane + (last - 1) // self.width + 1 if last else 0
 
     def _target(self, index: int) -> np.ndarray:
@@ -255,15 +256,19 @@ class _StoredStream:
 def _decode_into(
     stored: bytes | _StoredStream, frame: FrameRecord, ordered: list[tuple[Hashable, Piece]], dest: PieceDestination
 ) -> None:
-    """The verified stored bytes of a frame, decoded as far as the wanted pieces need, into them."""
+    """The verified stored bytes of a frame, decoded into the wanted pieces. A compressed frame is decoded to
+    its end even when the pieces end sooner: it must decode to exactly the raw length it states, as verify
+    and migrate require (a frame whose stated length was forged is refused, not half-read); the bytes past
+    the pieces pass through one block and are dropped."""
     scatter = _FrameScatter(ordered, dest, frame)
     if frame.codec == "none":
         blocks = iter(lambda: stored.read(DECODE_BLOCK), b"") if isinstance(stored, _StoredStream) else [stored]
     else:
-        blocks = zstd_blocks(stored, frame.raw_length, stop=scatter.needed)
+        blocks = zstd_blocks(stored, frame.raw_length)
     position = 0
     for block in blocks:
-        scatter.put(position, block)
+        if position < scatter.needed:
+            scatter.put(position, block)
         position += len(block)
 
 
@@ -326,26 +331,6 @@ def _read_verified(
         raise CorruptCheckpointError(f"{where}: {exc}") from None
 
 
-def check_file_sizes(location: Path | ByteSource, manifest: Manifest) -> None:
-    """Refuse data files shorter than the manifest says, before anything is allocated for them.
-
-    Sizes in a manifest are claims; held against the objects really stored they bound every buffer
-    a read allocates by the bytes really there (times zstd's largest ratio for compressed frames),
-    and a truncation is reported at once, by file and first missing frame.
-    """
-    source = as_source(location)
-    for name, record in manifest.files.items():
-        path = f"{source.where}/{name}"
-        try:
-            size = source.size(name)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}: data file missing") from None
-        if size < record.size:
-            cut = next((i for i, f in enumerate(record.frames) if f.offset + f.length > size), None)
-            where = path if cut is None else f"{path} frame {cut}"
-            raise CorruptCheckpointError(f"{where}: truncated ({size} bytes on disk, the manifest says {record.size})")
-
-
 def read_pieces(
     location: Path | ByteSource,
     manifest: Manifest,
@@ -358,8 +343,8 @@ def read_pieces(
     Frames are the unit of verification, so a frame is read whole even when only some of its
     bytes are wanted; each frame is read once however many pieces it holds. Returns the stored
     bytes read. A directory is read through file descriptors (scatter reads into the destination,
-    holes checked); any other :class:`ByteSource` a frame at a time through ``read_into``, after
-    :func:`check_file_sizes` has bounded every frame by the bytes really stored.
+    holes checked); any other :class:`ByteSource` a frame at a time through ``read_into``, after the
+    caller's admission checks (:func:`tiers.integrity.admit`) bounded every frame by the bytes really stored.
     """
     by_frame: dict[tuple[str, int], list[tuple[Hashable, Piece]]] = defaultdict(list)
     for key, pieces in wanted.items():

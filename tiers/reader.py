@@ -19,11 +19,12 @@ from .boxes import Box
 from .dtypes import dtype_from_name
 from .format import ManifestError, MissingItemError, read_manifest
 from .gcpause import gc_paused
+from .integrity import admit
 from .manifest import Manifest
 from .multirank import rank_view
 from .objcodec import decode_object
 from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what load and read_items raise
-from .pieces import ReadTooLargeError, check_file_sizes, read_records
+from .pieces import ReadTooLargeError, read_records
 from .records import ObjectRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, global_shape, read_regions
 from .source import ByteSource, as_source
@@ -54,7 +55,7 @@ def read_items(
     unknown = [k for k in wanted if k not in manifest.items]
     if unknown:
         raise MissingItemError(f"{source.where}: no item(s) {', '.join(unknown[:8])}")
-    check_file_sizes(source, manifest)
+    admit(source, manifest)
     view = rank_view(manifest, rank, wanted)
     return read_view(source, view, wanted, allow_pickle, workers)
 
@@ -63,7 +64,8 @@ def read_items(
 def read_view(
     source: ByteSource, view: Manifest, wanted: list[str], allow_pickle: bool = False, workers: int = 4
 ) -> dict[str, Any]:
-    """Items ``wanted`` of a rank's ``view`` (:func:`tiers.multirank.rank_view`), file sizes already checked."""
+    """Items ``wanted`` of a rank's ``view`` (:func:`tiers.multirank.rank_view`), its copy already admitted
+    (:func:`tiers.integrity.admit`)."""
     stored = dict.fromkeys(stored_key(key, view.items[key]) for key in wanted)  # in order, each once
     sharded = {key: record for key in sorted(stored) if isinstance(record := view.items[key], ShardedRecord)}
     plain: dict[str, TensorRecord | ObjectRecord] = {

@@ -16,34 +16,53 @@ is verified before the copy is committed on the local tier, so the bucket never 
 source could not prove, and restore never takes a damaged object: it fails naming it, and the
 restore path falls back to the next copy as for any tier.
 
-A writer killed mid-checkpoint leaves objects without a manifest and, mid-upload, an incomplete
-multipart upload (billed, invisible to listings). :meth:`S3Tier.collect_garbage` removes both once
-they are older than the grace period, so a writer still at work is never disturbed.
+Before the manifest's conditional put the publisher lists the step and checks that every object the
+manifest names is there with the size it has and, for each object this publisher uploaded, the ETag
+the upload answered (the server's digest: an object rewritten since, by another writer or after a gc,
+has another), so it never publishes a step whose objects are not the ones it wrote.
+
+A writer killed mid-checkpoint leaves objects without a manifest, its claim and, mid-upload, an
+incomplete multipart upload (billed, invisible to listings). :meth:`S3Tier.collect_garbage` judges
+each step by its claim, never by each object's age alone: nothing of an upload whose claim is live
+is removed (tiers/s3claim.py, :func:`~tiers.s3claim.claim_is_live`), and the rest goes once its
+newest object or uploaded part is older than the grace period.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
-from collections.abc import Collection
+from collections import defaultdict
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .filesystem import CheckpointExistsError, FilesystemTier, TierError
 from .format import manifest_bytes, parse_manifest
-from .integrity import verify_directory
+from .integrity import verify_source
 from .manifest import MANIFEST_NAME, Manifest
+from .names import STEP_PREFIX, parse_step_name, step_name
 from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker, part_of_marker
-from .objstore import ObjectMissingError, ObjectStore, Progress
+from .objstore import ObjectMissingError, ObjectStore, Progress, StoredObject, Upload
 from .reader import CorruptCheckpointError
-from .s3claim import CLAIM_NAME, claim_step, release_step
+from .s3claim import CLAIM_NAME, Claim, claim_is_live, claim_key, claim_step, parse_claim, release_step
 from .safeopen import open_or_create, open_read
 from .source import ShortReadError
 
-_STEP_MANIFEST_RE = re.compile(rf"^step-(\d+)/{re.escape(MANIFEST_NAME)}$")
-_STEP_OBJECT_RE = re.compile(r"^step-(\d+)/")
+
+def step_of_object(name: str) -> int | None:
+    """The step whose prefix holds object ``name`` (``step-N/...``), or None for any other name."""
+    head, slash, _ = name.partition("/")
+    return parse_step_name(head) if slash else None
+
+
+@dataclass(frozen=True)
+class Written:
+    """An object as its upload left it: its size and the ETag the server answered."""
+
+    size: int
+    etag: str
 
 
 @dataclass
@@ -54,6 +73,7 @@ class TransferReport:
     outcome: str  # "copied" or "already there"
     files: int = 0
     bytes: int = 0
+    written: dict[str, Written] = field(default_factory=dict, repr=False)  # by file name, what was uploaded
     waiting_for: list[str] = field(default_factory=list)  # a node's part: nodes whose parts are not there yet
 
 
@@ -62,7 +82,7 @@ class Leftover:
     """What gc found under the prefix: an orphan object or an incomplete upload, and what it did."""
 
     what: str  # the s3:// URL of the object, or of the upload's key
-    kind: str  # "orphan object" or "incomplete upload"
+    kind: str  # "orphan object", "stale claim" or "incomplete upload"
     removed: bool
     age_s: float = 0.0  # since the object was written, or the upload last received a part
 
@@ -123,12 +143,21 @@ class S3Tier:
     scope: str = field(default="shared", init=False)
 
     def step_prefix(self, step: int) -> str:
-        return f"step-{step}/"
+        return f"{step_name(step)}/"
 
     def steps(self) -> list[int]:
         """Committed steps: those whose manifest object exists."""
-        found = {int(m.group(1)) for o in self.store.list("step-") if (m := _STEP_MANIFEST_RE.match(o.name))}
-        return sorted(found)
+        return sorted(self._committed(self.store.list(STEP_PREFIX)))
+
+    @staticmethod
+    def _committed(objects: list[StoredObject]) -> set[int]:
+        """The steps among ``objects`` whose manifest object is there."""
+        found = set()
+        for o in objects:
+            head, _, rest = o.name.partition("/")
+            if rest == MANIFEST_NAME and (step := parse_step_name(head)) is not None:
+                found.add(step)
+        return found
 
     def source(self, step: int) -> BucketSource:
         """``step-N`` as a byte source, for :class:`tiers.stored.StoredCheckpoint` to read."""
@@ -145,40 +174,45 @@ class S3Tier:
     # -- writing --------------------------------------------------------------------------------
     def upload(self, source: Path, manifest: Manifest, progress: Progress | None = None) -> TransferReport:
         """Publish the committed checkpoint in directory ``source`` (described by ``manifest``) as
-        ``step-N`` here: verified first, data and indexes uploaded, the manifest last and conditional.
-        A node's part (``manifest.node_part``) is uploaded as its share of the step (see below)."""
+        ``step-N`` here: verified first, data and indexes uploaded, then checked in the bucket and the
+        manifest put last and conditional. A node's part (``manifest.node_part``) is uploaded as its share
+        of the step (see below)."""
         step = manifest.step
-        report = TransferReport(step, str(source), self.store.where(f"step-{step}"), "copied")
+        report = TransferReport(step, str(source), self.store.where(step_name(step)), "copied")
         if self._holds_it(source, manifest):
             report.outcome = "already there"
             return report
         own = manifest.node_part
         try:
-            self.claim(step, manifest.created, own.nodes if own is not None else ())
+            claim = self.claim(manifest, own.nodes if own is not None else ())
         except TierError as exc:  # published meanwhile: by another writer of this very checkpoint, it is received
             if exc.errno == errno.EEXIST and self._holds_it(source, manifest):
                 report.outcome = "already there"
                 return report
             raise
         if own is not None:  # the claim is the step's, shared by its nodes and released by the one that publishes
-            report.files, report.bytes = self.upload_files(source, manifest, progress)
+            self._upload_into(report, source, manifest, progress)
             self.store.put_bytes(self.step_prefix(step) + part_marker(own.node), manifest_bytes(manifest))
-            report.waiting_for = self._publish_when_whole(step, own.nodes)
+            report.waiting_for = self._publish_when_whole(step, own.nodes, claim, report.written)
             return report
         try:
-            report.files, report.bytes = self.upload_files(source, manifest, progress)
-            self.publish(manifest)
+            self._upload_into(report, source, manifest, progress)
+            self.publish(manifest, report.written)
         except CheckpointExistsError:  # another writer of the same checkpoint (a migrate, a push) came first
             if not self._holds_it(source, manifest):
                 raise
             report.outcome = "already there"
         finally:
-            self.release(step)
+            self.release(claim)
         return report
 
+    def _upload_into(self, report: TransferReport, source: Path, manifest: Manifest, progress: Progress | None) -> None:
+        report.written = self.upload_files(source, manifest, progress)
+        report.files, report.bytes = len(report.written), sum(w.size for w in report.written.values())
+
     def _holds_it(self, source: Path, manifest: Manifest) -> bool:
-        """Whether ``step-N`` here is already the checkpoint ``manifest`` describes (for a node's part: a
-        checkpoint of the same creation holding the part's files); TierError if it is another one."""
+        """Whether ``step-N`` here is already the checkpoint ``manifest`` describes (for a node's part: the
+        same checkpoint, holding the part's files); TierError if it is another one."""
         step = manifest.step
         if not self.holds(step):
             return False
@@ -187,7 +221,7 @@ class S3Tier:
             same = manifest_bytes(existing) == manifest_bytes(manifest)
         else:
             mine = manifest.files.items()
-            same = existing.created == manifest.created and all(existing.files.get(n) == r for n, r in mine)
+            same = existing.same_checkpoint(manifest) and all(existing.files.get(n) == r for n, r in mine)
         if not same:
             raise TierError(
                 errno.EEXIST,
@@ -196,14 +230,17 @@ class S3Tier:
             )
         return True
 
-    def _publish_when_whole(self, step: int, nodes: list[str]) -> list[str]:
+    def _publish_when_whole(
+        self, step: int, nodes: list[str], claim: Claim, written: Mapping[str, Written]
+    ) -> list[str]:
         """A node's part of a multi-node checkpoint is in (its files, then its marker
         ``step-N/node-<name>.part``, the part's manifest): publish ``step`` if every node's marker is
         here, else leave it to the last node. So the parts meet under one prefix with no collective among
         the nodes, as on a shared directory tier (tiers/nodeparts.py): each node writes its marker before
         it looks, and listings are strongly consistent, so the last node to finish sees them all; two
         nodes publishing together put the same manifest, and the one that loses the conditional put finds
-        it there. Returns the nodes whose parts are not here yet (none once published)."""
+        it there. The publishing node checks its own objects by their ETags, the other nodes' by size.
+        Returns the nodes whose parts are not here yet (none once published)."""
         prefix = self.step_prefix(step)
         markers = [part_marker(node) for node in nodes]
         listed = {o.name for o in self.store.list(prefix + PART_MARKER_PREFIX)}
@@ -213,56 +250,83 @@ class S3Tier:
         read = [(marker, self.store.get_bytes(prefix + marker)) for marker in markers]
         whole = join_parts(step, [part_of_marker(data, m, step, self.store.where(prefix + m)) for m, data in read])
         try:
-            self.publish(whole)
+            self.publish(whole, written)
         except CheckpointExistsError:
             if manifest_bytes(self.manifest(step)) != manifest_bytes(whole):
                 raise
-        self.release(step)
+        self.release(claim)
         return []
 
-    def claim(self, step: int, created: str, nodes: Collection[str] = ()) -> None:
-        """Claim ``step-N`` for the checkpoint created at ``created`` (by a job on ``nodes``) before
+    def claim(self, manifest: Manifest, nodes: Collection[str] = ()) -> Claim:
+        """Claim ``step-N`` for the checkpoint ``manifest`` describes (made by a job on ``nodes``) before
         uploading a byte of it (tiers/s3claim.py); TierError if another writer holds the claim or the step
         is already published (checked after claiming: a writer publishes before it releases its claim)."""
-        claim_step(self.store, self.name, self.step_prefix(step), created, nodes)
+        step = manifest.step
+        claim = claim_step(self.store, self.name, self.step_prefix(step), claim_key(manifest), manifest.created, nodes)
         if self.holds(step):
-            self.release(step)
+            self.release(claim)
             raise TierError(errno.EEXIST, f"tier {self.name} already holds step {step}")
+        return claim
 
-    def release(self, step: int) -> None:
-        """Drop the claim on ``step-N``: its upload is over (published, or failed)."""
-        release_step(self.store, self.step_prefix(step))
+    def release(self, claim: Claim) -> None:
+        """Drop ``claim``: its upload is over (published, or failed). A claim another writer took over since
+        is theirs and stays."""
+        release_step(self.store, claim)
 
     def holds(self, step: int) -> bool:
         """Whether ``step`` is committed here (its manifest object exists): one small listing."""
         name = self.step_prefix(step) + MANIFEST_NAME
         return any(o.name == name for o in self.store.list(name))
 
-    def upload_files(self, source: Path, manifest: Manifest, progress: Progress | None = None) -> tuple[int, int]:
+    def upload_files(self, source: Path, manifest: Manifest, progress: Progress | None = None) -> dict[str, Written]:
         """Upload the data files and indexes ``manifest`` lists (a whole checkpoint, one node's part or one
         rank's files) from ``source`` under ``step-N/``, each verified in the source first; nothing is
-        published. Returns how many files and bytes went up."""
+        published. Returns what went up, by file name."""
         step = manifest.step
-        problems = verify_directory(source, manifest)
+        problems = verify_source(source, manifest)
         if problems:
             raise CorruptCheckpointError(f"{source}: {problems[0]}; not uploading it to tier {self.name}")
-        files = total = 0
+        written: dict[str, Written] = {}
         for name in sorted(manifest.indexes) + sorted(manifest.files):
             fd = open_read(source / name)
             try:
                 size = os.fstat(fd).st_size
-                self.store.put_file(self.step_prefix(step) + name, fd, size, progress)
+                written[name] = Written(size, self.store.put_file(self.step_prefix(step) + name, fd, size, progress))
             finally:
                 os.close(fd)
-            files += 1
-            total += size
-        return files, total
+        return written
 
-    def publish(self, manifest: Manifest) -> None:
-        """Make ``step-N`` a checkpoint: its manifest object, put only if absent (of two writers of one
-        step exactly one succeeds; the other gets CheckpointExistsError naming the tier)."""
+    def check_uploaded(self, manifest: Manifest, written: Mapping[str, Written]) -> None:
+        """Before ``manifest`` is put: every data file and index it lists is under ``step-N/`` with the size
+        the manifest gives it, and each object this writer uploaded (``written``) still has the size and
+        ETag its upload answered; TierError naming the first that is not (removed, or rewritten by another
+        writer), so a step is never published over objects that are not the ones written for it."""
+        prefix = self.step_prefix(manifest.step)
+        listed = {o.name[len(prefix) :]: o for o in self.store.list(prefix)}
+        for name in sorted(manifest.files) + sorted(manifest.indexes):
+            found, mine = listed.get(name), written.get(name)
+            size = manifest.files[name].size if name in manifest.files else mine.size if mine is not None else None
+            if found is None:
+                problem = "is missing"
+            elif size is not None and found.size != size:
+                problem = f"is {found.size} bytes, {size} were written"
+            elif mine is not None and found.etag != mine.etag:
+                problem = f"is not the object uploaded (ETag {found.etag}, not {mine.etag})"
+            else:
+                continue
+            raise TierError(
+                errno.EIO,
+                f"tier {self.name}: not publishing step {manifest.step}: {self.store.where(prefix + name)} "
+                f"{problem}; another writer or a gc changed it after its upload",
+            )
+
+    def publish(self, manifest: Manifest, written: Mapping[str, Written]) -> None:
+        """Make ``step-N`` a checkpoint once :meth:`check_uploaded` passes: its manifest object, put only if
+        absent (of two writers of one step exactly one succeeds; the other gets CheckpointExistsError naming
+        the tier)."""
         if manifest.node_part is not None:
             raise TierError(errno.EOPNOTSUPP, f"tier {self.name}: a node's part is never published as a checkpoint")
+        self.check_uploaded(manifest, written)
         self.store.put_bytes(self.step_prefix(manifest.step) + MANIFEST_NAME, manifest_bytes(manifest), if_absent=True)
 
     # -- reading --------------------------------------------------------------------------------
@@ -270,7 +334,7 @@ class S3Tier:
         """Copy ``step-N`` to file system tier ``target`` with parallel ranged GETs, verify every frame
         and index there, and only then commit it; a damaged object fails naming it and commits nothing."""
         manifest = self.manifest(step)
-        report = TransferReport(step, self.store.where(f"step-{step}"), str(target.step_dir(step)), "copied")
+        report = TransferReport(step, self.store.where(step_name(step)), str(target.step_dir(step)), "copied")
         if step in target.steps():
             report.outcome = "already there"
             return report
@@ -295,7 +359,7 @@ class S3Tier:
                     os.close(fd)
                 report.files += 1
                 report.bytes += size
-            problems = verify_directory(partial, manifest)
+            problems = verify_source(partial, manifest)
             if problems:
                 raise CorruptCheckpointError(
                     f"{self.store.where(self.step_prefix(step) + problems[0].file)}: {problems[0]} "
@@ -317,34 +381,67 @@ class S3Tier:
     def incomplete_steps(self) -> set[int]:
         """Steps with objects under their prefix and no manifest: not checkpoints (a writer at work, or
         one that was killed)."""
-        committed = set(self.steps())
-        return {int(m.group(1)) for o in self.store.list("step-") if (m := _STEP_OBJECT_RE.match(o.name))} - committed
+        objects = self.store.list(STEP_PREFIX)
+        return {step for o in objects if (step := step_of_object(o.name)) is not None} - self._committed(objects)
 
     def collect_garbage(self, older_than: float, dry_run: bool = False) -> list[Leftover]:
-        """Remove, once older than ``older_than`` seconds, objects of a step that has no manifest, multipart
-        uploads never completed and upload claims: what a killed writer leaves. A committed step's data is
-        not touched."""
-        cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
-        committed = set(self.steps())
-        found: list[Leftover] = []
-        orphans = [
-            o
-            for o in self.store.list("step-")
-            if (m := _STEP_OBJECT_RE.match(o.name))
-            and (int(m.group(1)) not in committed or o.name.endswith("/" + CLAIM_NAME))
-            and o.modified < cutoff
-        ]
-        if not dry_run:
-            self.store.delete([o.name for o in orphans])
+        """Remove what killed writers left, judged step by step by the step's claim: nothing of a step whose
+        claim is live (its writer runs on this host, or, on another host, the claim is younger than
+        ``older_than`` seconds: :func:`~tiers.s3claim.claim_is_live`); of any other step without a
+        manifest, its objects, incomplete multipart uploads and claim once the newest of them is older than
+        ``older_than``; of a committed step, only a claim or incomplete upload left behind, once older. A
+        committed step's data is never touched."""
         now = datetime.now(UTC)
-        found += [
-            Leftover(self.store.where(o.name), "orphan object", not dry_run, (now - o.modified).total_seconds())
-            for o in orphans
-        ]
-        for upload in self.store.uploads():
-            if upload.last_active < cutoff:
-                if not dry_run:
-                    self.store.abort_upload(upload)
-                age = (now - upload.last_active).total_seconds()
-                found.append(Leftover(self.store.where(upload.name), "incomplete upload", not dry_run, age))
+        objects: dict[int, list[StoredObject]] = defaultdict(list)
+        uploads: dict[int, list[Upload]] = defaultdict(list)
+        for o in self.store.list(STEP_PREFIX):
+            if (step := step_of_object(o.name)) is not None:
+                objects[step].append(o)
+        for u in self.store.uploads():
+            if (step := step_of_object(u.name)) is not None:
+                uploads[step].append(u)
+        committed = self._committed([o for listed in objects.values() for o in listed])
+        found: list[Leftover] = []
+        for step in sorted(set(objects) | set(uploads)):
+            found += self._step_garbage(step, objects[step], uploads[step], step in committed, older_than, now, dry_run)
+        return found
+
+    def _step_garbage(
+        self,
+        step: int,
+        objects: list[StoredObject],
+        uploads: list[Upload],
+        committed: bool,
+        older_than: float,
+        now: datetime,
+        dry_run: bool,
+    ) -> list[Leftover]:
+        """What :meth:`collect_garbage` removes of one step (see there)."""
+        claim_name = self.step_prefix(step) + CLAIM_NAME
+        claim = next((o for o in objects if o.name == claim_name), None)
+        if claim is not None:
+            try:
+                held = parse_claim(self.store.get_bytes(claim_name))
+            except ObjectMissingError:
+                held, claim = {}, None  # released meanwhile
+            if claim is not None and claim_is_live(held, (now - claim.modified).total_seconds(), older_than):
+                return []  # an upload at work, wherever its objects' ages stand
+        data = [] if committed else [o for o in objects if o.name != claim_name]
+        times = [o.modified for o in [*data, *([claim] if claim else [])]] + [u.last_active for u in uploads]
+        if not times or (now - max(times)).total_seconds() < older_than:
+            return []
+        if not dry_run and claim is not None and not self.store.delete_if(claim.name, claim.etag):
+            return []  # another writer took the step over meanwhile: its upload, not garbage
+        if not dry_run:
+            self.store.delete([o.name for o in data])
+            for upload in uploads:
+                self.store.abort_upload(upload)
+        removed = not dry_run
+        found = [Leftover(self.store.where(o.name), "orphan object", removed, (now - o.modified).total_seconds())
+                 for o in data]  # fmt: skip
+        if claim is not None:
+            found.append(Leftover(self.store.where(claim.name), "stale claim", removed,
+                                  (now - claim.modified).total_seconds()))  # fmt: skip
+        found += [Leftover(self.store.where(u.name), "incomplete upload", removed,
+                           (now - u.last_active).total_seconds()) for u in uploads]  # fmt: skip
         return found

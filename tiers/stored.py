@@ -32,13 +32,13 @@ from .boxes import Box
 from .convert import batches
 from .format import ManifestError, MissingItemError, read_manifest
 from .gcpause import gc_paused
-from .integrity import Problem, verify_source
+from .integrity import Problem, admit, verify_source
 from .livefill import LiveFill, plan
 from .locks import reading
 from .manifest import Manifest, NodePart
 from .multirank import rank_view
 from .names import data_file_rank
-from .pieces import CorruptCheckpointError, check_file_sizes, read_records
+from .pieces import CorruptCheckpointError, read_records
 from .reader import COPY_ERRORS, read_view
 from .records import AnyRecord, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
@@ -86,7 +86,7 @@ class StoredCheckpoint:
         self.manifest = manifest if manifest is not None else read_manifest(self.source)
         if step is not None and self.manifest.step != step:
             raise ManifestError(f"{self.source.where}: manifest is for step {self.manifest.step}, not step {step}")
-        self._sizes_checked = False
+        self._admitted: set[str] | None = None  # data files whose indexes were checked; None: nothing checked yet
 
     @classmethod
     @contextlib.contextmanager
@@ -170,15 +170,20 @@ class StoredCheckpoint:
         return self.view(rank, keys).read_into(live, allow_pickle=allow_pickle, workers=workers)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
-        """Every checksum of it recomputed (data frames, decoded to their end if compressed, and indexes),
-        without decoding items or loading anything: each bad file or frame named. Empty when intact."""
+        """Every check of tiers/integrity.py on all of it: file sizes, every frame's checksum (decoded to its
+        end if compressed), the indexes, the objects' encodings; nothing loaded, each bad file, frame or
+        object named. Empty when intact."""
         return verify_source(self.source, self.manifest, progress)
 
-    def check_sizes(self) -> None:
-        """Refuse data files shorter than the manifest says (once), before anything is allocated."""
-        if not self._sizes_checked:
-            check_file_sizes(self.source, self.manifest)
-            self._sizes_checked = True
+    def admit(self, files: Iterable[str]) -> None:
+        """Before a read of data files ``files``: the checks every reader makes first (tiers/integrity.py,
+        :func:`~tiers.integrity.admit`): every data file exactly the size the manifest gives it, and the
+        indexes of ``files`` not checked yet; a CorruptCheckpointError naming the first problem, before
+        anything is allocated."""
+        pending = set(files) - (self._admitted or set())
+        if self._admitted is None or pending:
+            admit(self.source, self.manifest, pending)
+            self._admitted = (self._admitted or set()) | pending
 
 
 class RankView:
@@ -244,10 +249,19 @@ class RankView:
         files = source_files(region)
         return data_file_rank(next(iter(files))) if len(files) == 1 else None
 
+    def _files_of(self, keys: Iterable[str]) -> set[str]:
+        """The data files holding the stored bytes of ``keys`` (of a sharded tensor, those of all its shards)."""
+        files: set[str] = set()
+        for key in self.stored_keys(keys):
+            record = self._view.items[key]
+            parts = record.shards if isinstance(record, ShardedRecord) else [record]
+            files |= {p.file for part in parts if isinstance(part, TensorRecord | ObjectRecord) for p in part.pieces}
+        return files
+
     def read(self, keys: Iterable[str] | None = None, allow_pickle: bool = False, workers: int = 4) -> dict[str, Any]:
         """Items of this view (``keys``, all by default), every frame verified: key -> tensor or object."""
-        self.checkpoint.check_sizes()
         wanted = self.keys if keys is None else list(keys)
+        self.checkpoint.admit(self._files_of(wanted))
         return read_view(self.checkpoint.source, self._view, wanted, allow_pickle, workers)
 
     def read_into(
@@ -263,8 +277,8 @@ class RankView:
         between (tiers/livefill.py): the frames holding them are verified here, so a damaged copy fails
         now with nothing touched. Every other item is read as :meth:`read` reads it. ``stage`` fills CPU
         tensors through the staging block a GPU tensor is filled through (for tests)."""
-        self.checkpoint.check_sizes()
         wanted = self.keys if keys is None else list(keys)
+        self.checkpoint.admit(self._files_of(wanted))
         source = self.checkpoint.source
         records = {
             key: record for key in self.stored_keys(wanted) if isinstance(record := self._view.items[key], TensorRecord)
@@ -291,7 +305,7 @@ class RankView:
 
     def read_regions(self, regions: Sequence[Region], workers: int = 4) -> RegionsRead:
         """One tensor per region (a box of a stored tensor), in one verified pass over the frames needed."""
-        self.checkpoint.check_sizes()
+        self.checkpoint.admit({file for region in regions for file in source_files(region)})
         return read_regions(self.checkpoint.source, self._view, regions, workers)
 
     def region(self, key: str, box: Box | None = None) -> Region:
@@ -311,7 +325,7 @@ class RankView:
     def item_bytes(self, records: Mapping[str, TensorRecord | ObjectRecord]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each record's stored bytes (uint8, verified), a bounded batch at a time, for exporters that
         write items one by one; sharded tensors (given as one whole record) reassembled whole."""
-        self.checkpoint.check_sizes()
+        self.checkpoint.admit(self._files_of(records))
         stored = [(key, record) for key, record in records.items() if not self.is_sharded(key)]
         for batch in batches(stored, self._view):
             yield from read_records(self.checkpoint.source, self._view, batch).items()

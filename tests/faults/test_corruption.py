@@ -48,7 +48,7 @@ def _truncate_data(directory: Path) -> str:
 
 def _delete_data(directory: Path) -> str:
     (directory / DATA).unlink()
-    return f"{DATA}: data file missing"
+    return f"{DATA}: missing"
 
 
 def _edit_manifest(directory: Path) -> str:
@@ -171,8 +171,9 @@ def test_random_bit_flips_are_detected_or_harmless(tmp_path: Path, codec: str) -
 
 
 @pytest.mark.parametrize("damage", ["missing", "flipped"])
-def test_a_damaged_index_is_found_by_verify(three_steps: Path, damage: str) -> None:
-    """Restore reads no index (the manifest has it all), so it still loads; verify names the file."""
+def test_a_damaged_index_is_found_by_verify_and_refused_by_restore(three_steps: Path, damage: str) -> None:
+    """The manifest has all that restore reads, but a copy verify rejects is one restore rejects too
+    (tiers/integrity.py): the newest step is refused naming the index, and fallback restores step 2."""
     nvme = tiers_of(three_steps)[0]
     index = nvme.step_dir(3) / "rank-00000.index"
     if damage == "missing":
@@ -183,4 +184,7 @@ def test_a_damaged_index_is_found_by_verify(three_steps: Path, damage: str) -> N
     expected = "missing" if damage == "missing" else "checksum mismatch"
     assert len(problems) == 1 and problems[0].startswith("rank-00000.index: " + expected)
     with trainer(three_steps) as (runner, state):
-        assert runner.restore("latest").step == 3 and state_matches(state, 3)
+        with pytest.raises(NoCheckpointError, match="rank-00000.index: " + expected):
+            runner.restore("latest")
+        result = runner.restore("latest", fallback=True)
+        assert result.step == 2 and state_matches(state, 2) and "rank-00000.index" in result.problems[0]

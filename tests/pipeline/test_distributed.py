@@ -268,19 +268,29 @@ def test_the_readme_guard_starts_fresh_on_every_rank_and_cannot_hang(work):
 
 
 def test_per_rank_rng_saved_on_one_rank_is_never_copied_to_another(tmp_path: Path) -> None:
-    """Saved by one process, restored on two: rank 0 gets the saved streams, rank 1 keeps its own and says
-    so (both drawing the same numbers was the silent failure); asked to, every rank refuses instead."""
+    """Saved by one process, restored on two: rank 0 gets the saved streams; rank 1 gets streams of its own
+    derived from rank 0's and its rank, and says so (both drawing the same numbers was the silent failure,
+    and keeping its own left ranks seeded alike drawing alike); asked to, it keeps its own, or every rank
+    refuses instead."""
     torch.manual_seed(42)
+    rng = RNGProvider()
     with runner_on(tmp_path / "tiers" / "rng1") as runner:
-        runner.register(rng=RNGProvider(), t=TensorDictProvider({"w": torch.arange(4.0)}))
+        runner.register(rng=rng, t=TensorDictProvider({"w": torch.arange(4.0)}))
         runner.checkpoint(3).result()
+    digest = rng.digest()  # the saved state, as rank 0 will have restored it
     saved_draws = torch.rand(4).tolist()
+    rng.derive(digest, 1)
+    derived_draws = torch.rand(4).tolist()  # what rank 1 must draw: derived from rank 0's state and rank 1
     torch.manual_seed(1001)
     own_draws = torch.rand(4).tolist()  # rank 1's stream, seeded 1000 + 1 before its restore
+    assert len({tuple(saved_draws), tuple(derived_draws), tuple(own_draws)}) == 3
     torchrun(tmp_path, "rng-more-ranks")
     rank0, rank1 = (json.loads((tmp_path / "rng-more-ranks" / f"rank-{r}.json").read_text()) for r in (0, 1))
-    assert rank0["keep"] == {"kept": [], "w": [0.0, 1.0, 2.0, 3.0], "draws": saved_draws}
-    assert rank1["keep"] == {"kept": ["rng"], "w": [0.0, 1.0, 2.0, 3.0], "draws": own_draws}
+    w = [0.0, 1.0, 2.0, 3.0]
+    assert rank0["derive"] == {"kept": [], "derived": [], "w": w, "draws": saved_draws}
+    assert rank1["derive"] == {"kept": [], "derived": ["rng"], "w": w, "draws": derived_draws}
+    assert rank0["keep"] == {"kept": [], "derived": [], "w": w, "draws": saved_draws}
+    assert rank1["keep"] == {"kept": ["rng"], "derived": [], "w": w, "draws": own_draws}
     for seen in (rank0, rank1):
         error = seen["error"]["error"]
         assert "MissingItemError" in error and "'rng' hold(s) each rank's own state" in error

@@ -55,6 +55,19 @@ def test_the_handle_says_what_each_stage_moved_and_took(make_runner: Callable[..
     assert runner.history[-1] == (handle, stats)
 
 
+def test_seconds_count_from_the_request_not_from_the_return(make_runner: Callable[..., Runner]) -> None:
+    """32 MiB copied inside ``checkpoint()`` (its tensors may change at any time): the capture ends after
+    the call returns, so ``capture_s``, counted from the request, is at least the time spent in the call."""
+    runner = make_runner(chunk_size="4MiB", host_cache__size="64MiB")
+    runner.register(t=TensorDictProvider(_tensors(32)))
+    handle = runner.checkpoint(1)
+    in_call = handle.stats.blocked_s  # the time checkpoint() took (nothing attached: no pre-hook waits)
+    handle.result()
+    assert in_call > 0 and handle.stats.capture_s >= in_call - 1e-4, (handle.stats.capture_s, in_call)
+    assert handle.stats.capture_s <= handle.stats.written_s <= handle.stats.durable_s
+    runner.close()
+
+
 def test_capture_waiting_for_the_host_cache_is_measured(make_runner: Callable[..., Runner]) -> None:
     """Two 1 MiB slabs, 8 MiB to write at 16 MiB/s: capture can only run as fast as persist frees slabs."""
     slow = make_runner(host_cache__size="2MiB", chunk_size="1MiB", pipeline__stages__persist__bandwidth="16MiB")

@@ -407,6 +407,25 @@ def test_rng_restore_takes_a_view_with_a_storage_offset() -> None:
     assert draws() == expected
 
 
+def test_ranks_without_saved_state_derive_streams_of_their_own() -> None:
+    """Saved on 1 rank, restored on 3: ranks 1 and 2 derive their generators from rank 0's state and their
+    rank, so no two ranks draw alike (every generator: python, numpy, torch), and a second restore of the
+    same checkpoint draws the same again."""
+    provider = RNGProvider(cuda=False)
+    saved = provider.digest()
+    rank0 = draws()
+    by_rank = {}
+    for rank in (1, 2, 1):
+        provider.derive(saved, rank)
+        by_rank.setdefault(rank, []).append(draws())
+    assert by_rank[1][0] == by_rank[1][1]  # the same on every restore of that checkpoint
+    streams = [rank0, by_rank[1][0], by_rank[2][0]]
+    for generator in range(3):
+        assert len({repr(stream[generator]) for stream in streams}) == 3, generator
+    with pytest.raises(ValueError, match="'derive', 'keep' or 'error'"):
+        RNGProvider(cuda=False, missing_rank="copy")  # type: ignore[arg-type]
+
+
 def test_rng_refuses_a_state_of_the_wrong_kind() -> None:
     state = read_back(RNGProvider(cuda=False).describe(), None)
     with pytest.raises(RestoreError, match="'torch' must be a 1-d uint8 tensor, got a 1-d torch.float32 tensor"):

@@ -133,7 +133,6 @@ def _gpt_checkpoint(workdir: Path) -> None:
 @contextmanager
 def _s3_server() -> Iterator[dict[str, str]]:
     """A real S3-protocol server on 127.0.0.1 (the s3 tests' moto server) holding the bucket ``my-bucket``."""
-    sys.path.insert(0, str(HERE.parent / "tiers"))
     import boto3
     from s3server import CREDENTIALS, moto_server
 

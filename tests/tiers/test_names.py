@@ -14,6 +14,8 @@ from tierstate.tiers.names import (
     hdf5_file_name,
     index_file_name,
     parse_rank_file,
+    parse_step_name,
+    step_name,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,3 +67,31 @@ def test_rank_file_names_are_spelled_out_only_in_names() -> None:
     sources = [p for folder in ("pipeline", "providers", "tiers") for p in (REPO / folder).glob("*.py")]
     spelled = {str(p.relative_to(REPO)) for p in sources if _spells_rank_names(p)}
     assert spelled == {"tiers/names.py"} | PENDING, "build and parse rank file names with tiers/names.py"
+
+
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [("step-0", 0), ("step-4", 4), ("step-1000", 1000), ("step-04", None), ("step-00", None), ("step-4x", None),
+     ("step-4\n", None), ("step-\u0664", None), ("step--4", None), ("step-", None), ("step-" + "9" * 19, None),
+     ("Step-4", None), ("step-4.partial", None)],
+)  # fmt: skip
+def test_step_names_are_parsed_strictly(name: str, step: int | None) -> None:
+    assert parse_step_name(name) == step
+    if step is not None:
+        assert step_name(step) == name
+
+
+def test_a_tier_lists_no_step_under_a_name_that_is_not_its_own(tmp_path: Path) -> None:
+    """A stray ``step-04`` (a committed checkpoint's files, copied in by hand) is no step 4: not listed,
+    not named invalid as step 4, not restored; nor is a ``step-05.partial`` a partial gc would remove."""
+    from tierstate.tiers.filesystem import FilesystemTier
+    from tierstate.tiers.format import manifest_bytes
+    from tierstate.tiers.manifest import MANIFEST_NAME, Manifest
+
+    tier = FilesystemTier("nvme", tmp_path)
+    for name in ("step-04", "step-4x", "step-05.partial"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-04" / MANIFEST_NAME).write_bytes(
+        manifest_bytes(Manifest(step=4, created="2026-01-01T00:00:00.000+00:00", files={}, items={}))
+    )
+    assert tier.steps() == [] and tier.invalid() == [] and tier.partials() == []

@@ -58,6 +58,24 @@ def test_a_world_writable_directory_without_sticky_bit_on_the_path_is_refused(tm
     assert not (open_to_all / "run7").exists()
 
 
+def test_a_group_writable_directory_of_another_group_is_refused_unless_sticky(tmp_path: Path) -> None:
+    """Group-writable is world-writable for the members of that group, unless the group is root's or the
+    user's own: they could rename the tier away and put their own in its place."""
+    project = tmp_path / "project"
+    project.mkdir()
+    os.chmod(project, 0o775)
+    os.chown(project, OTHER, OTHER)
+    with pytest.raises(TierError, match=rf"{project} is writable by every member of group {OTHER}, not this "
+                       r"user's own \(mode 775, no sticky bit\)"):  # fmt: skip
+        _runner(project / "me" / "nvme")
+    assert not (project / "me").exists()
+    os.chmod(project, 0o1775)  # sticky: members cannot rename what is not theirs
+    _runner(project / "me" / "nvme").close()
+    os.chmod(project, 0o775)
+    os.chown(project, OTHER, 0)  # root's group
+    _runner(project / "me" / "nvme").close()
+
+
 def test_ordinary_paths_pass(tmp_path: Path, shared_tmp: Path) -> None:
     mine = shared_tmp / "mine"  # under a sticky world-writable directory, this user's own
     mine.mkdir()

@@ -126,14 +126,14 @@ def test_two_ranks_persist_to_a_bucket_each_uploading_its_files_and_rank_0_publi
 def test_a_rank_killed_mid_upload_fails_the_step_on_the_others_and_nothing_is_published(endpoint, bucket, tmp_path):
     """Rank 1 dies after the first part of its multipart upload: rank 0, whose uploads succeeded, does not
     wait for it forever and does not publish a checkpoint missing its files; gc then removes both ranks'
-    leftovers (rank 0's objects, rank 1's incomplete upload)."""
+    leftovers (rank 0's objects and claim, rank 1's incomplete upload), their writers gone from this host."""
     url = f"s3://{bucket}/killed"
     (seen,) = _two_ranks(tmp_path, endpoint, url, "killed-shared", killed=1)
     assert seen["error"] is not None and "step 1" in seen["error"], seen
     tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint, region="us-east-1"))
     assert tier.steps() == [] and tier.incomplete_steps() == {1}
     left = tier.collect_garbage(older_than=0)
-    assert {leftover.kind for leftover in left} == {"orphan object", "incomplete upload"}
+    assert {leftover.kind for leftover in left} == {"orphan object", "incomplete upload", "stale claim"}
     assert tier.store.list("") == [] and tier.store.uploads() == []
 
 

@@ -33,6 +33,7 @@ from ..tiers.filesystem import FilesystemTier
 from ..tiers.format import ManifestError
 from ..tiers.hfdir import MAX_SHARD_SIZE
 from ..tiers.migrate import MigrateReport
+from ..tiers.names import parse_step_name
 from ..tiers.pacing import Pacer
 from ..tiers.pending import FlushOutcome, flush_by_hand, mark_pending, pending_flushes
 from ..tiers.policy import RetentionPolicy
@@ -64,9 +65,10 @@ def _checkpoint(args: argparse.Namespace) -> Location:
     target = args.target
     if target.startswith("s3://"):
         prefix, _, last = target.rstrip("/").rpartition("/")
-        if not last.startswith("step-") or not last.removeprefix("step-").isdigit():
+        step = parse_step_name(last)
+        if step is None:
             raise UsageError(f"{target}: an s3:// checkpoint ends in /step-N (or give a step number and --tier)")
-        return options.bucket_at(prefix, args).tier.source(int(last.removeprefix("step-")))
+        return options.bucket_at(prefix, args).tier.source(step)
     if not target.isdigit():
         if not Path(target).is_dir():
             raise UsageError(f"{target}: no such checkpoint directory (or give a step number)")

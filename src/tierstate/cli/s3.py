@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..tiers.s3tier import S3Tier
 
 
 def add_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparsers type
@@ -39,13 +42,41 @@ def add_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparser
     p = action("prune", "delete all but the newest --keep-last steps (manifest first)")
     p.add_argument("--keep-last", type=int, required=True, metavar="N")
     p.add_argument("--dry-run", action="store_true")
-    g = action("gc", "remove objects of steps without a manifest and incomplete multipart uploads")
-    g.add_argument("--older-than", default="1h", metavar="AGE", help="grace period, e.g. 30m, 2h (default 1h)")
+    g = action(
+        "gc",
+        "remove what killed writers left (objects of steps without a manifest, their incomplete multipart uploads "
+        "and claims), never anything of an upload whose claim is live",
+    )
+    g.add_argument(
+        "--older-than", default="1h", metavar="AGE",
+        help="grace period, e.g. 30m, 2h (default 1h): a step goes once its claim is stale (its writer gone from "
+        "this host, or, from another host, the claim older than this) and its newest object or part is older",
+    )  # fmt: skip
     g.add_argument("--dry-run", action="store_true")
 
 
 def _emit(args: argparse.Namespace, lines: list[str], data: object) -> None:
     print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
+
+
+def _stored_bytes(tier: S3Tier, step: int) -> int:
+    """What verifying ``step`` reads, for its progress bar; 0 if its manifest does not read (verify says why)."""
+    from ..tiers.format import ManifestError
+
+    try:
+        return tier.manifest(step).stored_bytes
+    except (ManifestError, FileNotFoundError):
+        return 0
+
+
+def _listed(tier: S3Tier, step: int) -> dict[str, Any]:
+    """``s3 ls``'s row of a step with a manifest: committed, or invalid (its manifest does not read) and why."""
+    from ..tiers.format import ManifestError
+
+    try:
+        return {"step": step, "state": "committed", "created": tier.manifest(step).created}
+    except ManifestError as exc:
+        return {"step": step, "state": f"invalid ({exc})"}
 
 
 def run_s3(args: argparse.Namespace) -> int:
@@ -67,14 +98,14 @@ def run_s3(args: argparse.Namespace) -> int:
     if args.action == "ls":
         steps = tier.steps()
         incomplete = sorted(tier.incomplete_steps())
-        rows = [{"step": s, "state": "committed", "created": tier.manifest(s).created} for s in steps]
+        rows = [_listed(tier, s) for s in steps]
         rows += [{"step": s, "state": "incomplete (no manifest: not a checkpoint)"} for s in incomplete]
         _emit(args, [f"step-{r['step']}  {r['state']}  {r.get('created', '')}".rstrip() for r in rows], rows)
         return 0
-    if args.action == "verify":
+    if args.action == "verify":  # a manifest that does not read fails its step (exit 1), as any damage does
         bad: list[str] = []
         for step in args.steps or tier.steps():
-            with progress(f"verify step {step}", tier.manifest(step).stored_bytes) as advance:
+            with progress(f"verify step {step}", _stored_bytes(tier, step)) as advance:
                 bad += [f"step {step}: {problem}" for problem in verify_bucket_step(tier, step, advance).problems]
         _emit(args, bad or ["every frame verified"], {"problems": bad})
         return 1 if bad else 0
