@@ -206,3 +206,16 @@ def test_importing_tierstate_loads_no_torch_until_a_name_needs_it() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout == "False True\n"
+
+
+def test_reading_a_config_loads_no_torch() -> None:
+    """A config with a bucket is checked (its url, its endpoint) without the object store, boto3 or torch."""
+    probe = (
+        "import sys\n"
+        "from tierstate import parse_config\n"
+        "parse_config({'tiers': {'nvme': {'path': '/tmp/x'}, 'b': {'kind': 's3', 'url': 's3://my-bucket/p', "
+        "'endpoint_url': 'http://127.0.0.1:9000', 'flush': {'every': 1}}}})\n"
+        "print(sorted(m for m in ('torch', 'boto3') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout == "[]\n"
