@@ -145,6 +145,7 @@ FLUSH_LINE = (
 )
 
 
+@pytest.mark.slow  # a CLI process of its own, which loads torch
 def test_flush_into_a_pipe_prints_a_plain_line_per_step_and_no_bar(tiered, tmp_path) -> None:
     frames = _frames(FilesystemTier("nvme", tmp_path / "nvme"), 1)
     done = subprocess.run([sys.executable, "-m", "tierstate", "flush", "--config", str(tiered)],
@@ -157,6 +158,7 @@ def test_flush_into_a_pipe_prints_a_plain_line_per_step_and_no_bar(tiered, tmp_p
     assert FilesystemTier("pfs", tmp_path / "pfs").steps() == [1, 2, 3]
 
 
+@pytest.mark.slow  # a CLI process of its own, which loads torch
 def test_flush_on_a_terminal_draws_a_bar_in_the_units_of_its_lines(tiered, tmp_path) -> None:
     frames = _frames(FilesystemTier("nvme", tmp_path / "nvme"), 1)
     code, shown = _on_terminal(["flush", "--config", str(tiered)], columns=150)
@@ -239,6 +241,7 @@ def test_a_resumed_copy_rates_only_the_bytes_it_copied(tiered, tmp_path) -> None
     )
 
 
+@pytest.mark.slow  # a CLI process of its own, which loads torch
 def test_sizes_are_written_one_way_in_bars_and_lines(tiered, tmp_path) -> None:
     code, shown = _on_terminal(["migrate", "2", "--from", "nvme", "--to", "pfs", "--config", str(tiered)], columns=150)
     assert code == 0, shown
