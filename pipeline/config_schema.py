@@ -35,8 +35,8 @@ from pydantic import (
 
 from ..tiers.due import FlushGraph
 from ..tiers.nodes import expand_node
-from ..tiers.objstore import endpoint_problem, s3_url_problem
 from ..tiers.policy import FlushPolicy, RetentionPolicy
+from ..tiers.s3url import endpoint_problem, s3_url_problem
 from .config_errors import ConfigError, read_yaml
 from .packaged import DEFAULT_NAME, packaged_config
 

@@ -77,6 +77,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unrelated_directory(
     tmp_path: Path, wheel: Path
 ) -> None:
+    """Installed alone (``--target``), the wheel is one import package with its configs, license and metadata,
+    and the README's example runs from a directory that has nothing to do with this checkout."""
     site, work = tmp_path / "site", tmp_path / "work"
     work.mkdir()
     pip = PIP
@@ -92,6 +94,8 @@ def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unr
     assert "Requires-Dist: h5py>=3.8\n" not in metadata  # an extra: only writing HDF5 needs it
     subprocess.run([*pip, "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=600)  # fmt: skip
+    top = sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    assert top == ["tierstate"] and (site / "tierstate" / "py.typed").is_file()  # one import package, typed
 
     (work / "example.py").write_text(PRELUDE + _embedding_example() + EPILOGUE)
     env = {"PYTHONPATH": str(site), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}  # no checkout on the path
@@ -101,6 +105,8 @@ def test_the_wheel_runs_the_readme_example_with_the_packaged_default_from_an_unr
         assert done.returncode == 0, done.stderr
         return done.stdout
 
+    probe = "import tierstate, tierstate.cli; print(tierstate.__file__); print(len(tierstate.__all__))"
+    assert run("-c", probe).split() == [str(site / "tierstate" / "__init__.py"), str(len(tierstate.__all__))]
     out = run("example.py")
     assert f"tierstate from {site / 'tierstate' / '__init__.py'}" in out
     assert "checkpoints ['step-100', 'step-200'] step 200" in out
@@ -206,3 +212,16 @@ def test_importing_tierstate_loads_no_torch_until_a_name_needs_it() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout == "False True\n"
+
+
+def test_reading_a_config_loads_no_torch() -> None:
+    """A config with a bucket is checked (its url, its endpoint) without the object store, boto3 or torch."""
+    probe = (
+        "import sys\n"
+        "from tierstate import parse_config\n"
+        "parse_config({'tiers': {'nvme': {'path': '/tmp/x'}, 'b': {'kind': 's3', 'url': 's3://my-bucket/p', "
+        "'endpoint_url': 'http://127.0.0.1:9000', 'flush': {'every': 1}}}})\n"
+        "print(sorted(m for m in ('torch', 'boto3') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout == "[]\n"

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import tierstate
 from tierstate import TierstateError
 
@@ -51,27 +49,6 @@ def test_errors_keep_their_builtin_bases() -> None:
     assert issubclass(tierstate.TierError, OSError)
     assert issubclass(tierstate.ConfigError, ValueError)
     assert issubclass(tierstate.NoCheckpointError, FileNotFoundError)
-
-
-@pytest.mark.slow
-def test_wheel_installs_exactly_one_top_level_package(tmp_path: Path) -> None:
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-         "--target", str(target), str(REPO)],
-        check=True, capture_output=True, timeout=600,
-    )
-    top = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
-    assert top == ["tierstate"]
-    assert (target / "tierstate" / "py.typed").is_file()
-    # Imported from an unrelated directory with only the target on the path: no checkout involved.
-    probe = "import tierstate, tierstate.cli; print(tierstate.__file__); print(len(tierstate.__all__))"
-    out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
-        check=True, capture_output=True, text=True, timeout=120,
-    ).stdout.split()
-    assert Path(out[0]).is_relative_to(target)
-    assert int(out[1]) == len(tierstate.__all__)
 
 
 def test_python_dash_m_tierstate_runs_the_cli(tmp_path: Path) -> None:

@@ -81,6 +81,11 @@ class MigrateReport:
         not counted: they were read back and verified, not moved, and would inflate the rate past the disk's."""
         return self.bytes_copied / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    @property
+    def published(self) -> bool:
+        """Whether this migration published the target's copy (not found it there already)."""
+        return self.outcome != "already there"
+
     def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "path": str(self.path), "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3)}
 

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from . import faults
 from .filesystem import CheckpointExistsError, TierError
+from .s3url import URL_RE, endpoint_problem, s3_url_problem
 
 T = TypeVar("T")
 Progress = Callable[[int], None]
@@ -39,7 +38,6 @@ MiB = 1 << 20
 #: overhead under 1% at the bandwidths measured in benchmarks/s3.py and allows 160 GB files.
 PART_SIZE = 16 * MiB
 _MAX_PARTS = 10_000
-_URL_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?$")
 _PRECONDITION_CODES = {"PreconditionFailed", "ConditionalRequestConflict"}
 _MISSING_BUCKET_CODES = {"NoSuchBucket"}
 _CREDENTIAL_CODES = {
@@ -64,34 +62,10 @@ class S3Url:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
-def s3_url_problem(url: str) -> str | None:
-    """What is wrong with ``url`` as ``s3://bucket[/prefix]``, said for a person (an example, no pattern);
-    None if nothing is. The config's ``url`` and ``--tier NAME=s3://...`` are checked by this one rule."""
-    match = _URL_RE.match(url)
-    if match is None:
-        return (
-            "must be s3://BUCKET/PREFIX, e.g. s3://my-bucket/run7/ckpt: the bucket 3 to 63 lower-case letters, "
-            f"digits, dots and hyphens; got {url!r}"
-        )
-    prefix = (match.group(2) or "").strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        return f"a prefix has no empty, '.' or '..' segments; got {url!r}"
-    return None
-
-
-def endpoint_problem(url: str) -> str | None:
-    """What is wrong with ``url`` as an S3 endpoint, for a person; None if nothing is. Checked before
-    botocore, whose ``ValueError: Invalid endpoint`` names neither the tier nor the setting."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        return f"must be a URL with its scheme, e.g. http://127.0.0.1:9000 or https://s3.example.com; got {url!r}"
-    return None
-
-
 def parse_s3_url(url: str) -> S3Url:
     """``s3://bucket[/prefix]``; ValueError (a TierstateError) naming the URL if it is not one."""
     problem = s3_url_problem(url)
-    match = _URL_RE.match(url)
+    match = URL_RE.match(url)
     if problem is not None or match is None:
         raise TierError(errno.EINVAL, f"not an s3:// URL: {problem}")
     return S3Url(match.group(1), (match.group(2) or "").strip("/"))

@@ -145,6 +145,7 @@ FLUSH_LINE = (
 )
 
 
+@pytest.mark.slow  # a CLI process of its own, which loads torch
 def test_flush_into_a_pipe_prints_a_plain_line_per_step_and_no_bar(tiered, tmp_path) -> None:
     frames = _frames(FilesystemTier("nvme", tmp_path / "nvme"), 1)
     done = subprocess.run([sys.executable, "-m", "tierstate", "flush", "--config", str(tiered)],
@@ -157,6 +158,7 @@ def test_flush_into_a_pipe_prints_a_plain_line_per_step_and_no_bar(tiered, tmp_p
     assert FilesystemTier("pfs", tmp_path / "pfs").steps() == [1, 2, 3]
 
 
+@pytest.mark.slow  # a CLI process of its own, which loads torch
 def test_flush_on_a_terminal_draws_a_bar_in_the_units_of_its_lines(tiered, tmp_path) -> None:
     frames = _frames(FilesystemTier("nvme", tmp_path / "nvme"), 1)
     code, shown = _on_terminal(["flush", "--config", str(tiered)], columns=150)
@@ -214,6 +216,33 @@ def test_ctrl_c_in_flush_with_json_gives_the_document_of_what_ended(tiered, caps
     assert err.startswith("tierstate flush: interrupted; nothing published before it; retention did not run")
 
 
+def test_ctrl_c_in_migrate_all_names_only_the_steps_it_published(tiered, tmp_path, capsys) -> None:
+    """A step found already there was not published by this run: the summary does not claim it."""
+    nvme, pfs = FilesystemTier("nvme", tmp_path / "nvme"), FilesystemTier("pfs", tmp_path / "pfs")
+    migrate(1, nvme, pfs)
+    frames = _frames(nvme, 2)
+    copied = []
+
+    def press_ctrl_c(_path: Path | None) -> None:
+        copied.append(1)
+        if len(copied) == frames + 1:  # step 2 published, step 3's first frame
+            signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with faults.inject("migrate.frame", press_ctrl_c):
+            assert cli.main(["migrate", "--all", "--from", "nvme", "--to", "pfs", "--config", str(tiered)]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "step 1: nvme -> pfs: already there" and len(out.splitlines()) == 2
+    assert err == (
+        "tierstate migrate: interrupted; published before it: step 2 on pfs; the step being copied was not "
+        "published (the same command again resumes it)\n"
+    )
+    assert pfs.steps() == [1, 2]
+
+
 # --- rates over the bytes moved; one unit style ---------------------------------------------------
 def test_a_resumed_copy_rates_only_the_bytes_it_copied(tiered, tmp_path) -> None:
     """``copied 2 of 6 frames (resumed: 4), 0.40 GB in 1.65 s (0.24 GB/s)`` under a 100 MB/s cap counted the
@@ -239,6 +268,7 @@ def test_a_resumed_copy_rates_only_the_bytes_it_copied(tiered, tmp_path) -> None
     )
 
 
+@pytest.mark.slow  # a CLI process of its own, which loads torch
 def test_sizes_are_written_one_way_in_bars_and_lines(tiered, tmp_path) -> None:
     code, shown = _on_terminal(["migrate", "2", "--from", "nvme", "--to", "pfs", "--config", str(tiered)], columns=150)
     assert code == 0, shown

@@ -85,7 +85,7 @@ def bash_commands(block: Block) -> list[Command]:
 _VARIABLE = [
     (re.compile(r"\d{4}-\d\d-\d\dT[\d:.]+(?:[+-]\d\d:\d\d|Z)?"), "<time>"),
     (re.compile(r"\b[0-9a-f]{16}\b"), "<hash>"),
-    (re.compile(r"\d[\d,]*(?:\.\d+)?\s?(?:[KMGT]i?B|B)(?:/s)?\b"), "<size>"),
+    (re.compile(r"\d[\d,]*(?:\.\d+)?\s?(?:[kKMGT]i?B|B|bytes?)(?:/s)?\b"), "<size>"),
     (re.compile(r"\d[\d,]*(?:\.\d+)?"), "<n>"),
     (re.compile(r"\s+"), " "),
 ]

@@ -1,7 +1,10 @@
-"""The README cannot drift: every fenced block of README.md is run here as written.
+"""The README cannot drift: every fenced block of README.md is run here as written, twice in a row in one
+working directory, as a person runs a snippet again (a restarted job, a command retyped): the second
+run must do what the README says a second run does.
 
 * ``yaml``: loaded through the real config loader (``load_config``): a block with ``tiers`` is a whole
-  config, one without is a section of the packaged default (as the README introduces them).
+  config; one without must say on its first line that it is a fragment (``# a fragment: ...``), and is
+  loaded as a section of the packaged default.
 * ``python``: run in a subprocess of this Python, in the scenario's working directory, after the
   scenario's prelude, which defines the stand-ins its README comment names (``model``, ``runner``...).
   Python blocks of one scenario that follow each other run as one program (the later continue the
@@ -10,7 +13,9 @@
 * ``console``: each ``$ `` line run by bash in that directory; it must exit 0 (or the status the
   README shows: ``Killed``, or an ``echo $?`` after it), and where the README shows output, the
   printed output must have its shape: the same lines, with numbers, sizes, times and checksums free
-  (:func:`readme_blocks.mismatch`). ``bash``: each line a command that must exit 0.
+  (:func:`readme_blocks.mismatch`). ``bash``: each line a command that must exit 0. Run a second
+  time, a command does the same, unless its scenario's ``again`` says what it does then instead (an
+  export refusing to overwrite the file the first run wrote, a migration finding the step there).
 * a block without a language: a scenario checks it (the config errors the loader prints).
 
 Blocks belong to a scenario by the comment before their fence (``<!-- readme-test: NAME; stand-ins
@@ -26,9 +31,9 @@ import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -52,6 +57,17 @@ class Scenario:
     check: Callable[[Path], None] | None = None  # after the last block
     serve: Callable[[], AbstractContextManager[dict[str, str]]] | None = None  # a server the blocks use: its env
     slow: bool = False
+    # What a command (as written after "$ ", or a bash line; its comment left out) does when its block runs
+    # the second time, where that is not what it did the first time: every other command does the same again.
+    again: Mapping[str, Again] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Again:
+    """A command's second run: the status it exits with and a line its output (stdout or stderr) holds."""
+
+    status: int
+    says: str
 
 
 def _stats_checkpoint(workdir: Path) -> None:
@@ -159,6 +175,7 @@ def _prometheus_file(workdir: Path) -> None:
 
 
 _RUNNER = "runner = Runner.from_yaml()\n"
+_NEXT_STEP = "step = (runner.latest_step() or 0) + 1  # a second run's checkpoint is a new step\n"
 _LIGHTNING = """
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -197,16 +214,17 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "stats": Scenario(prepare=_stats_checkpoint, slow=True),
     "prometheus": Scenario(
-        prelude=_RUNNER + "runner.register(model=torch.nn.Linear(4, 4))\nrunner.checkpoint(1).result()\n",
+        prelude=_RUNNER + _NEXT_STEP
+        + "runner.register(model=torch.nn.Linear(4, 4))\nrunner.checkpoint(step).result()\n",
         check=_prometheus_file,
     ),
     "ema-provider": Scenario(
         prelude=_RUNNER + "shadow = {'w': torch.zeros(4)}\n",
-        epilogue="runner.checkpoint(1).result()\nshadow['w'].fill_(3)\nrunner.restore(1)\n"
+        epilogue=_NEXT_STEP + "runner.checkpoint(step).result()\nshadow['w'].fill_(3)\nrunner.restore(step)\n"
         "assert shadow['w'].eq(0).all()\nrunner.close()\n",
     ),
     "ema-guarded": Scenario(
-        prelude=_RUNNER + "model = torch.nn.Linear(4, 4)\nopt = stepped(model)\nstep = 1\n"
+        prelude=_RUNNER + _NEXT_STEP + "model = torch.nn.Linear(4, 4)\nopt = stepped(model)\n"
         "shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}\n"
         "def update_ema(shadow, model):\n"
         "    for k, v in model.state_dict().items():\n        shadow[k].mul_(0.9).add_(v, alpha=0.1)\n",
@@ -219,18 +237,57 @@ SCENARIOS: dict[str, Scenario] = {
         check=_steps_written(100, 200),
         slow=True,
     ),
-    "hf-trainer": Scenario(prelude=_HF_TRAINER, check=_steps_written(3), slow=True),
+    # Run again, train() resumes from step 3 and, as the Trainer's own resume from its checkpoint-3 does (max_steps
+    # reached in mid-epoch), takes one step more: step 4. Steps 1-3 are not trained again.
+    "hf-trainer": Scenario(prelude=_HF_TRAINER, check=_steps_written(3, 4), slow=True),
     "lightning": Scenario(prelude=_LIGHTNING, slow=True),
-    "dcp": Scenario(prepare=_dcp_sources, prelude="model = mlp()\nopt = stepped(model)\n", slow=True),
+    "dcp": Scenario(
+        prepare=_dcp_sources, prelude="model = mlp()\nopt = stepped(model)\n", slow=True,
+        again={
+            "tierstate export 400 ckpt-dcp --format dcp --config tiered": Again(2, "ckpt-dcp exists; give --force"),
+            "tierstate import titan/step-1000 --to nvme --step 1000 --config tiered":
+                Again(2, "--step 1000: tier nvme holds a checkpoint step 1000 already"),
+        },
+    ),
     "recovery": Scenario(prepare=_gpt_checkpoint, prelude="config = GPTConfig()\n"),
-    "ls": Scenario(prepare=_listed_tiers, slow=True),
-    "migrate": Scenario(prepare=_before_migration, slow=True),
+    "ls": Scenario(
+        prepare=_listed_tiers, slow=True,
+        again={"tierstate init configs": Again(2, "configs/default.yaml exists; give --force to replace it")},
+    ),
+    "migrate": Scenario(
+        prepare=_before_migration, slow=True,
+        again={  # the steps the first run copied are there: nothing to kill, nothing copied twice
+            "TIERSTATE_FAULT=migrate.frame@3 tierstate migrate 300 --from nvme --to pfs --config tiered":
+                Again(0, "step 300: nvme -> pfs: already there"),
+            "tierstate migrate --all --from nvme --to pfs --config tiered":
+                Again(0, "step 100: nvme -> pfs: already there"),
+        },
+    ),
     "verify": Scenario(prepare=_damaged_nvme_copy),
-    "prune": Scenario(prepare=_before_prune),
-    "export": Scenario(prepare=_damaged_nvme_copy, slow=True),
-    "hf-export": Scenario(prepare=_hf_checkpoint, slow=True),
-    "flush": Scenario(prepare=_after_a_crash, slow=True),
-    "s3-cli": Scenario(prepare=lambda workdir: standins.write_mlp_steps(workdir, [1000]), serve=_s3_server, slow=True),
+    "prune": Scenario(prepare=_before_prune, again={"tierstate gc --config tiered": Again(0, "no leftovers")}),
+    "export": Scenario(
+        prepare=_damaged_nvme_copy, slow=True,
+        again={  # an export never replaces a file unless given --force
+            "tierstate export 400 step-400.h5 --format hdf5 --config tiered":
+                Again(2, "step-400.h5 exists; give --force to replace it"),
+            "tierstate export 400 step-400.safetensors --format safetensors --config tiered":
+                Again(2, "step-400.safetensors exists; give --force to replace it"),
+        },
+    ),
+    "hf-export": Scenario(
+        prepare=_hf_checkpoint, slow=True,
+        again={"tierstate export 4000 gpt2-4000 --format hf --provider model --config tiered":
+               Again(2, "gpt2-4000/model.safetensors exists; give --force to replace it")},
+    ),
+    "flush": Scenario(
+        prepare=_after_a_crash, slow=True,
+        again={"tierstate flush --config tiered": Again(0, "nothing pending: every tier holds the checkpoints due")},
+    ),
+    "s3-cli": Scenario(
+        prepare=lambda workdir: standins.write_mlp_steps(workdir, [1000]), serve=_s3_server, slow=True,
+        again={"tierstate export 1000 model.safetensors --format safetensors --tier bucket=s3://my-bucket/run7/ckpt":
+               Again(2, "model.safetensors exists; give --force to replace it")},
+    ),
 }
 
 # Blocks not run, each with why. Nothing else may be left out.
@@ -275,6 +332,7 @@ def test_yaml_block_loads_through_the_config_loader(block: Block, tmp_path: Path
     path.write_text(block.text)
     section = yaml.safe_load(block.text)
     if "tiers" not in section:  # a section: the packaged default with it in place of its own
+        assert block.text.startswith("# a fragment"), f"{block.where}: a config without tiers says it is a fragment"
         path.write_text(yaml.safe_dump({**yaml.safe_load(packaged_config("default").read_text()), **section}))
     load_config(path)  # raises ConfigError naming the key path
 
@@ -288,35 +346,40 @@ def test_every_config_a_command_line_names_works_for_a_wheel_user() -> None:
 
 
 @pytest.mark.parametrize("name", _params())
-def test_blocks_run_as_written(name: str, tmp_path: Path) -> None:
+def test_blocks_run_twice_as_written(name: str, tmp_path: Path) -> None:
     scenario = SCENARIOS.get(name, Scenario())
     workdir = tmp_path / "work"
     workdir.mkdir()
     if scenario.prepare is not None:
         scenario.prepare(workdir)
+    unused = set(scenario.again)
     with (scenario.serve or nullcontext)() as served:
         env = {**standins.environment(tmp_path / "bin"), **(served or {})}
-        for program in _programs(_groups()[name]):
-            try:
-                _run(program, scenario, workdir, env)
-            except AssertionError as failed:
-                if name in SCENARIOS:
-                    raise
-                hint = "a block needing stand-ins or files: a <!-- readme-test: NAME; stand-ins: ... --> comment"
-                raise AssertionError(f"{failed}\n({hint} before it, and NAME in SCENARIOS here)") from None
+        for second in (False, True):
+            for program in _programs(_groups()[name]):
+                try:
+                    unused -= _run(program, scenario, workdir, env, second)
+                except AssertionError as failed:
+                    if name in SCENARIOS:
+                        raise AssertionError(f"{'second' if second else 'first'} run: {failed}") from None
+                    hint = "a block needing stand-ins or files: a <!-- readme-test: NAME; stand-ins: ... --> comment"
+                    raise AssertionError(f"{failed}\n({hint} before it, and NAME in SCENARIOS here)") from None
+    assert not unused, f"{name}: again names commands no block of it runs: {sorted(unused)}"
     if scenario.check is not None:
         scenario.check(workdir)
 
 
-def _run(program: list[Block], scenario: Scenario, workdir: Path, env: dict[str, str]) -> None:
+def _run(program: list[Block], scenario: Scenario, workdir: Path, env: dict[str, str], second: bool) -> set[str]:
+    """Run one program of a scenario, the first or the ``second`` time; the commands of ``again`` it ran."""
     if program[0].language == "python":
         _run_python(program, scenario, workdir, env)
-    elif program[0].language == "console":
-        _run_commands(console_commands(program[0]), workdir, env)
-    elif program[0].language == "bash":
-        _run_commands(bash_commands(program[0]), workdir, env)
-    else:
-        _check_config_errors(program[0], workdir)
+        return set()
+    if program[0].language in ("console", "bash"):
+        commands = (console_commands if program[0].language == "console" else bash_commands)(program[0])
+        _run_commands(commands, workdir, env, scenario.again if second else {})
+        return {_bare(command.text) for command in commands} & set(scenario.again)
+    _check_config_errors(program[0], workdir)
+    return set()
 
 
 def _programs(group: list[Block]) -> list[list[Block]]:
@@ -341,6 +404,8 @@ def _run_python(program: list[Block], scenario: Scenario, workdir: Path, env: di
     first = RUN_WITH.match(readme.splitlines()[0])
     script = workdir / (first.group(1) if first else f"readme_{program[0].line}.py")
     script.write_text(source)
+    for finished in workdir.glob(".finished-rank-*"):  # the marks of a run before this one
+        finished.unlink()
     command = first.group(2) if first else f"{sys.executable} {script.name}"
     done = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -351,7 +416,8 @@ def _run_python(program: list[Block], scenario: Scenario, workdir: Path, env: di
     assert done.returncode == 0, f"{where} ({command}) failed:\n{output}"
 
 
-def _run_commands(commands: list[Command], workdir: Path, env: dict[str, str]) -> None:
+def _run_commands(commands: list[Command], workdir: Path, env: dict[str, str], again: Mapping[str, Again]) -> None:
+    """Each command as bash runs it; its status and output as the README shows them, or as ``again`` says."""
     status = 0
     for command in commands:
         done = subprocess.run(
@@ -360,10 +426,21 @@ def _run_commands(commands: list[Command], workdir: Path, env: dict[str, str]) -
         )  # fmt: skip
         status = 128 - done.returncode if done.returncode < 0 else done.returncode  # killed by a signal: as bash says
         printed = f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+        if _bare(command.text) in again:
+            expected = again[_bare(command.text)]
+            where = f"README.md:{command.line}: {command.text}, run again"
+            assert status == expected.status, f"{where}: exit {status}\n{printed}"
+            assert expected.says in done.stdout + done.stderr, f"{where}: does not say {expected.says!r}\n{printed}"
+            continue
         assert status == command.status, f"README.md:{command.line}: {command.text}: exit {status}\n{printed}"
         if command.shown:
             problem = mismatch(command.shown, done.stdout.splitlines())
             assert problem is None, f"README.md:{command.line}: {command.text}: output differs:\n{problem}\n{printed}"
+
+
+def _bare(command: str) -> str:
+    """A command line without its comment (bash drops it), as ``Scenario.again`` names it."""
+    return re.sub(r"\s+#.*$", "", command).strip()
 
 
 # The configs that make the errors the README shows, by key path: each written as configs/my.yaml.
@@ -376,7 +453,7 @@ CONFIG_ERRORS: dict[str, dict[str, object]] = {
 
 def _check_config_errors(block: Block, workdir: Path) -> None:
     """Each line is the error the loader prints for configs/my.yaml holding that mistake."""
-    (workdir / "configs").mkdir()
+    (workdir / "configs").mkdir(exist_ok=True)
     for line in block.text.splitlines():
         key = line.split(": ")[1]
         assert key in CONFIG_ERRORS, f"{block.where}: no config in CONFIG_ERRORS makes the error for {key}"

@@ -45,6 +45,7 @@ def test_numbers_sizes_times_and_hashes_may_differ_words_and_columns_may_not() -
                "nvme 300 committed, flushed 2 6,291,456 2026-12-05T12:00:01.5+00:00",
                "(expected 0123456789abcdef, got fedcba9876543210)"]  # fmt: skip
     assert mismatch(shown, printed) is None
+    assert mismatch(["ok (67.1 MB, 3.1 GB/s)"], ["ok (512 bytes, 4.1 kB/s)"]) is None  # every size unit the CLI writes
     assert mismatch(["stage units bytes"], ["stage units passed bytes"]) is not None  # a column missing
     assert mismatch(["step 600: verified"], ["step 600: verified", "step 700: verified"]) is not None  # a line
     assert mismatch(["nvme step 200: kept (keep_last=2)"], ["nvme step 200: deleted (keep_last=2)"]) is not None

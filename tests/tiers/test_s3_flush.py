@@ -201,6 +201,7 @@ def test_cli_push_ls_verify_pull_prune_gc(make_runner, endpoint, bucket, tmp_pat
     assert _cli(endpoint, "verify", url).returncode == 0
     pulled = _cli(endpoint, "pull", url, "2", "--to", str(tmp_path / "elsewhere"))
     assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout.endswith(" (4.2 MB)\n"), pulled.stdout  # sizes as the progress bars write them
     assert FilesystemTier("elsewhere", tmp_path / "elsewhere").steps() == [2]
     data = bytearray(tier.store.get_bytes("step-1/rank-00000.data"))
     data[100] ^= 1

@@ -32,10 +32,11 @@ from ..tiers.bucketcmds import BucketPolicies
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node
-from ..tiers.objstore import ObjectStore, endpoint_problem
+from ..tiers.objstore import ObjectStore
 from ..tiers.policy import FlushPolicy, RetentionPolicy
 from ..tiers.retention import TierPolicies
 from ..tiers.s3tier import S3Tier
+from ..tiers.s3url import endpoint_problem
 
 AnyPolicies = TierPolicies | BucketPolicies
 P = TypeVar("P", bound=AnyPolicies)

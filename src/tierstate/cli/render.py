@@ -95,7 +95,7 @@ def migrate_line(report: MigrateReport) -> str:
     """One migration: the frames and bytes it copied, and its rate over those bytes alone (frames a resumed
     copy found already there were read back and verified, not copied: counting them would inflate it)."""
     head = f"step {report.step}: {report.source} -> {report.target}: "
-    if report.outcome == "already there":
+    if not report.published:
         body = "already there"
     else:
         copied = size(report.bytes_copied)

@@ -126,7 +126,7 @@ def _migrate(args: argparse.Namespace) -> int:
             progress=byte_progress(not args.json), each=each,
         )  # fmt: skip
     except KeyboardInterrupt:
-        published = [f"step {r.step} on {r.target}" for r in done if isinstance(r, MigrateReport)]
+        published = [f"step {r.step} on {r.target}" for r in done if isinstance(r, MigrateReport) and r.published]
         undone = "the step being copied was not published (the same command again resumes it)"
         return _interrupted(args, render.interrupted("migrate", published, undone), [r.as_dict() for r in done])
     return render.migrations(done, source.name, args.json, shown=True)
@@ -186,7 +186,7 @@ def _flush(args: argparse.Namespace) -> int:
         try:
             run = flush_by_hand(tiers, buckets, pacer=pacer, each=each)
         except KeyboardInterrupt:
-            published = [f"step {o.step} on {o.target}" for o in done if o.report is not None]
+            published = [f"step {o.step} on {o.target}" for o in done if o.report is not None and o.report.published]
             undone = "retention did not run (`tierstate flush` again copies the rest, resuming a half-copied step)"
             document = {"flushes": [o.as_dict() for o in done], "pruned": [], "interrupted": True}
             return _interrupted(args, render.interrupted("flush", published, undone), document)
