@@ -118,7 +118,7 @@ class Holdings:
         for tier in [*tiers, *buckets]:
             try:
                 steps[tier.name] = tier.steps()
-                lost += lost_entries([tier]) if isinstance(tier, FilesystemTier) else []
+                lost += lost_entries([tier])
             except OSError as exc:
                 steps[tier.name], unlisted[tier.name] = [], f"{type(exc).__name__}: {exc}"
         return cls(which, fallback, steps, roots, unlisted, tuple(lost))

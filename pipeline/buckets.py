@@ -135,7 +135,7 @@ class Buckets:
             errors.append(f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}")
         try:
             if claim is not None:
-                bucket.release(claim)  # every rank's uploads are over, whatever the outcome
+                bucket.release_claim(claim)  # every rank's uploads are over, whatever the outcome
         except Exception as exc:  # noqa: BLE001 - a claim left behind only delays a later writer until gc
             log.warning("step %d: could not release its claim in bucket %s: %s", step, bucket.name, exc)
         return "; ".join(errors) or None

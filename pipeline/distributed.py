@@ -41,7 +41,6 @@ from ..tiers.manifest import Manifest
 from ..tiers.multirank import RankPart, merge_parts
 from ..tiers.nodeparts import node_part
 from ..tiers.nodes import node_name
-from ..tiers.retention import delete_step
 from ..tiers.safeopen import check_regular
 from .assign import balance
 from .plan import CheckpointPlan, plan_checkpoint
@@ -339,7 +338,7 @@ class DistributedCommit:
         """Delete this node's committed part of a step that another node failed to commit."""
         if self._opens and error is None:
             try:
-                delete_step(self.tier, step)
+                self.tier.delete_step(step)
             except OSError as exc:
                 log.error("step %d: could not withdraw node %s's part: %s", step, self.group.node_name, exc)
 

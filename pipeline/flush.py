@@ -42,7 +42,6 @@ import functools
 import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierstate.errors import TierstateError
@@ -52,11 +51,11 @@ from ..tiers.due import FlushEdge
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.locks import InUseError, claim_tier
 from ..tiers.migrate import MigrateReport
-from ..tiers.nodeparts import parts_present
 from ..tiers.pacing import Pacer
 from ..tiers.pending import PendingFlush, give_up_if_damaged, note_received, pending_flushes
 from ..tiers.retention import TierPolicies, collect_garbage, prune
 from ..tiers.s3tier import S3Tier
+from ..tiers.tier import Tier
 from ..tiers.transfer import transfer
 from .config import PipelineConfig
 from .handle import HandleCompleter
@@ -126,18 +125,10 @@ class FlushFailure:
 class _Target:
     """A tier flushed to (a directory or a bucket), the edge that feeds it, its gate and pacer."""
 
-    tier: FilesystemTier | S3Tier
+    tier: Tier
     edge: FlushEdge
     gate: asyncio.Semaphore
     pacer: Pacer
-
-
-def _missing_parts(tier: FilesystemTier | S3Tier, step: int) -> str:
-    """For a message: whose parts ``step`` still lacks on ``tier``."""
-    if isinstance(tier, S3Tier):
-        return f"other nodes' parts under {tier.store.where(tier.step_prefix(step))}"
-    _, missing = parts_present(tier.partial_dir(step), step)
-    return f"the part(s) of node(s) {', '.join(missing)} in {tier.partial_dir(step)}"
 
 
 class Flusher:
@@ -155,7 +146,7 @@ class Flusher:
         self._active = role.active
         self._loop = loop
         self._tiers = tiers
-        by_name: dict[str, FilesystemTier | S3Tier] = {t.name: t for t in [*tiers, *buckets]}
+        by_name: dict[str, Tier] = {t.name: t for t in [*tiers, *buckets]}
         self._source = next(t for t in tiers if t.name == config.persist_tier)
         self._policies = [TierPolicies(t, config.tiers[t.name].retention, config.tiers[t.name].flush) for t in tiers]
         self._buckets = [BucketPolicies(b, config.buckets[b.name].retention) for b in buckets]
@@ -187,11 +178,13 @@ class Flusher:
         if self._prunes:
             self._spawn(self._prune())
 
-    def _onwards(self, step: int, holder: FilesystemTier | S3Tier, completer: HandleCompleter) -> None:
-        """``step`` is now on ``holder``: start the flushes of the edges out of it that select the step."""
+    def _onwards(self, step: int, holder: Tier, completer: HandleCompleter) -> None:
+        """``step`` is now on ``holder``: start the flushes of the edges out of it that select the step (a
+        bucket is the last hop: the config refuses a flush from one)."""
+        source = holder.as_directory()
         for edge in self._graph.edges_from(holder.name):
-            if edge.policy.due(step) and isinstance(holder, FilesystemTier):  # a bucket is the last hop
-                self._spawn(self._flush(step, self._targets[edge.target], holder, completer))
+            if edge.policy.due(step) and source is not None:
+                self._spawn(self._flush(step, self._targets[edge.target], source, completer))
 
     def _spawn(self, work: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         task = self._loop.create_task(work)
@@ -240,8 +233,8 @@ class Flusher:
                 return
         if report is not None:
             await self._received(step, target, source)
-        where = target.tier.location(step)  # a directory, or a bucket's prefix (named by its s3:// URL)
-        completer.persisted(name, where if isinstance(where, Path) else str(where))
+        copy = target.tier.as_directory()  # its directory there, or a bucket's prefix (named by its s3:// URL)
+        completer.persisted(name, copy.step_dir(step) if copy is not None else target.tier.where(step))
         self._onwards(step, target.tier, completer)
         await self._pruned_after(target)
 
@@ -366,16 +359,20 @@ class Flusher:
             for claim in claims:
                 claim.release()
 
-    async def _published(self, step: int, tier: FilesystemTier | S3Tier, report: MigrateReport | None) -> None:
+    async def _published(self, step: int, tier: Tier, report: MigrateReport | None) -> None:
         """Wait until the other nodes' parts complete ``step`` on ``tier`` (see :class:`FlushRole`)."""
         deadline = self._loop.time() + self._role.wait_s
         pause = 0.02
         while not await run_blocking(self._pool, tier.holds, step):
             if self._loop.time() >= deadline:
-                mine = "" if report is None else f"this node's part is there ({report.outcome}); "
+                if report is None:
+                    missing = "other nodes' parts"
+                else:  # as this node's copy found them
+                    missing = f"the part(s) of node(s) {', '.join(report.waiting_for)}, as this node's copy found"
+                    missing = f"{missing} ({report.outcome})"
                 raise PartsMissing(
-                    f"step {step} is not on tier {tier.name} after {self._role.wait_s:g} s: {mine}still missing "
-                    f"{await run_blocking(self._pool, _missing_parts, tier, step)}"
+                    f"step {step} is not on tier {tier.name} ({tier.where(step)}) after {self._role.wait_s:g} s: "
+                    f"still missing {missing}"
                 )
             await asyncio.sleep(pause)  # another node's copy ends on its own schedule: nothing to wait on here
             pause = min(1.0, pause * 2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from ..providers.composite import CompositeProvider
 from ..providers.dtensor import storage_of
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.stored import Location, StoredCheckpoint
+from ..tiers.tier import Tier
 
 log = logging.getLogger("tierstate")
 
@@ -86,7 +87,7 @@ def tier_roots(tiers: list[FilesystemTier]) -> str:
     return ", ".join(f"{t.name}={t.root}" for t in tiers)
 
 
-def lost_entries(tiers: list[FilesystemTier]) -> list[tuple[int, str]]:
+def lost_entries(tiers: Sequence[Tier]) -> list[tuple[int, str]]:
     """Every ``step-N`` entry that is not a checkpoint (a lost manifest, a symlink): its step, and a text
     naming its tier and why: steps a restore cannot have."""
     return [

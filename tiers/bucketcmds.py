@@ -11,22 +11,16 @@ directory's. Copies to and from a bucket are :mod:`tiers.transfer`'s.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from .catalog import summary
 from .format import ManifestError
-from .integrity import Problem
-from .manifest import MANIFEST_NAME
 from .names import STEP_PREFIX, step_name
-from .objstore import Progress
 from .policy import FlushPolicy, RetentionPolicy
 from .retention import Decision, Leftover
 from .s3tier import S3Tier, step_of_object
-from .stored import StoredCheckpoint
-from .verify import VerifyResult
 
 
 @dataclass(frozen=True)
@@ -67,20 +61,6 @@ def bucket_entries(tier: S3Tier) -> list[dict[str, Any]]:
             entry = {"tier": tier.name, "step": step_name(step), "state": "partial", "stored_bytes": size, "age_s": age}
             entries.append(entry)
     return entries
-
-
-# --- verify ---------------------------------------------------------------------------------------
-def verify_bucket_step(tier: S3Tier, step: int, progress: Progress | None = None) -> VerifyResult:
-    """Recompute every checksum of ``step`` in the bucket through its byte source (ranged GETs); a
-    manifest that does not read is the result's problem, as on a directory tier."""
-    started = time.perf_counter()
-    try:
-        checkpoint = StoredCheckpoint(tier.source(step), step)
-        problems, stored = checkpoint.verify(progress), checkpoint.stored_bytes
-    except ManifestError as exc:
-        problems, stored = [Problem(MANIFEST_NAME, None, str(exc))], 0
-    where = tier.store.where(step_name(step))
-    return VerifyResult(tier.name, step, where, stored, time.perf_counter() - started, problems)
 
 
 # --- prune and gc ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from tierstate.errors import TierstateError
 
-from .bucketcmds import BucketPolicies, prune_bucket, verify_bucket_step
+from .bucketcmds import BucketPolicies, prune_bucket
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, summary
 from .convert import Format
 from .export import ExportFormat, ExportReport, export
@@ -33,10 +33,10 @@ from .migrate import MigrateReport
 from .pacing import Pacer
 from .peers import peer_copies
 from .retention import Decision, TierPolicies, graph_of, prune
-from .s3tier import S3Tier
 from .source import ByteSource
 from .stored import StoredCheckpoint
-from .transfer import AnyTier, transfer
+from .tier import Tier
+from .transfer import transfer
 from .verify import VerifyResult, invalid_result, verify_step
 
 Writer = Callable[[StoredCheckpoint, Path, Callable[[int], None] | None], ExportReport]
@@ -87,7 +87,7 @@ def _tier_entries(chain: Sequence[FilesystemTier], tier: FilesystemTier) -> list
     return entries + invalid_entries(tier) + leftover_entries(tier)
 
 
-def step_location(tiers: Sequence[AnyTier], step: int) -> Path | ByteSource:
+def step_location(tiers: Sequence[Tier], step: int) -> Path | ByteSource:
     """Where ``step`` is on the fastest tier that holds it committed: a directory, or a bucket's prefix."""
     for tier in tiers:
         if step in tier.steps():
@@ -116,8 +116,8 @@ class MigrateFailure:
 
 
 def migrate_steps(
-    source: AnyTier,
-    target: AnyTier,
+    source: Tier,
+    target: Tier,
     step: int | None,
     *,
     move: bool = False,
@@ -132,8 +132,8 @@ def migrate_steps(
     Each step's result is also passed to ``each`` as it ends, so an interrupted run has said what it did."""
     available = source.steps()
     if step is not None and step not in available:
-        raise UsageError(f"--from {source.name}: no committed checkpoint step {step} (in {where(source)})")
-    bucket = isinstance(source, S3Tier) or isinstance(target, S3Tier)
+        raise UsageError(f"--from {source.name}: no committed checkpoint step {step} (in {source.where()})")
+    bucket = source.as_directory() is None or target.as_directory() is None
     if bucket and fmt is not None:
         raise UsageError("--format: a bucket takes and gives checkpoints as they are; convert on a directory tier")
     pacer = Pacer(bandwidth) if bandwidth else None
@@ -163,16 +163,15 @@ class VerifySkipped:
 
 
 def verify_steps(
-    tiers: Sequence[AnyTier], steps: Collection[int], progress: Progress = no_progress
+    tiers: Sequence[Tier], steps: Collection[int], progress: Progress = no_progress
 ) -> list[VerifyResult | VerifySkipped]:
     """Recompute every checksum of ``steps`` (all when empty) on each of ``tiers`` and the peer copies each holds."""
     # Each tier's committed steps, and its step-N entries that are not checkpoints (a lost manifest,
     # a symlink): those fail, named, without anything in them being read.
-    work: list[tuple[AnyTier, int, InvalidEntry | None]] = []
+    work: list[tuple[Tier, int, InvalidEntry | None]] = []
     for tier in [each for given in tiers for each in (given, *_peer_copies(given))]:
         listed: list[tuple[int, InvalidEntry | None]] = [(step, None) for step in tier.steps()]
-        if isinstance(tier, FilesystemTier):
-            listed += [(entry.step, entry) for entry in tier.invalid() if entry.named_as_checkpoint]
+        listed += [(entry.step, entry) for entry in tier.invalid() if entry.named_as_checkpoint]
         listed.sort(key=lambda step_entry: step_entry[0])
         work += [(tier, step, entry) for step, entry in listed if not steps or step in steps]
     missing = sorted(set(steps) - {step for _, step, _ in work})
@@ -181,7 +180,6 @@ def verify_steps(
     results: list[VerifyResult | VerifySkipped] = []
     for tier, step, invalid in work:
         if invalid is not None:
-            assert isinstance(tier, FilesystemTier)  # only a directory lists invalid entries
             results.append(invalid_result(tier, invalid))
             continue
         try:
@@ -190,22 +188,15 @@ def verify_steps(
             total = 0  # verify_step reports the broken manifest
         try:
             with progress(f"{tier.name} step {step}", total) as advance:
-                if isinstance(tier, S3Tier):
-                    results.append(verify_bucket_step(tier, step, advance))
-                else:
-                    results.append(verify_step(tier, step, advance))
+                results.append(verify_step(tier, step, advance))
         except FileNotFoundError as exc:  # deleted by retention between listing and locking
             results.append(VerifySkipped(tier.name, step, str(exc)))
     return results
 
 
-def _peer_copies(tier: AnyTier) -> list[FilesystemTier]:
-    return [] if isinstance(tier, S3Tier) else peer_copies(tier)
-
-
-def where(tier: AnyTier) -> str:
-    """A tier's location, for messages: its directory or its ``s3://`` prefix."""
-    return tier.store.where() if isinstance(tier, S3Tier) else str(tier.root)
+def _peer_copies(tier: Tier) -> list[FilesystemTier]:
+    directory = tier.as_directory()
+    return [] if directory is None else peer_copies(directory)
 
 
 # --- prune and gc -------------------------------------------------------------------------------
@@ -293,7 +284,7 @@ class ExportFailure:
 
 
 def export_step(
-    tiers: Sequence[AnyTier],
+    tiers: Sequence[Tier],
     step: int,
     out: Path,
     fmt: str,

@@ -35,10 +35,10 @@ from tierstate.errors import TierstateError
 
 from . import faults
 from .format import ManifestBody, ManifestError, manifest_bytes, read_manifest
-from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked
+from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked, exclusive
 from .manifest import MANIFEST_NAME, Manifest
 from .names import STEP_NUMBER, STEP_PREFIX, parse_step_name, step_name
-from .safeopen import is_real_dir, kind_of, make_dir, open_read, write_durably
+from .safeopen import is_real_dir, kind_of, make_dir, open_read, remove, write_durably
 
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"  # a step being deleted by retention (see tiers.retention)
@@ -259,6 +259,29 @@ class FilesystemTier:
     def holds(self, step: int) -> bool:
         """Whether ``step`` is committed here."""
         return step in self.steps()
+
+    def where(self, step: int | None = None) -> str:
+        """For messages: the tier's directory, or ``step``'s in it."""
+        return str(self.root if step is None else self.step_dir(step))
+
+    def as_directory(self) -> FilesystemTier:
+        return self
+
+    def as_bucket(self) -> None:
+        return None
+
+    def delete_step(self, step: int) -> None:
+        """Unpublish, then remove, one committed checkpoint; InUseError if anyone holds it (a reader's
+        shared lock, a migration). Crash safe: renamed to ``step-N.deleting`` (fsync'd, no longer listed or
+        restorable) before its files go; a crash between leaves that, which garbage collection removes."""
+        path = self.step_dir(step)
+        with exclusive(path):
+            doomed = self.root / f"{path.name}{DELETING_SUFFIX}"
+            remove(doomed)  # left by an earlier crash in the middle of deleting this step (or planted: not followed)
+            os.rename(path, doomed)
+            fsync_dir(self.root)
+            faults.point("prune.delete", doomed)
+            shutil.rmtree(doomed)
 
     def invalid(self) -> list[InvalidEntry]:
         """Entries named like checkpoints that are neither checkpoints nor leftovers, by step."""

@@ -37,7 +37,7 @@ from .objcodec import ObjectCodecError, decode_object
 from .pieces import CorruptCheckpointError, decoding_problem, read_records
 from .records import AnyRecord, FrameRecord, ObjectRecord, PerRankRecord
 from .safeopen import UnsafeFileError, open_read
-from .source import ByteSource, DirectorySource, ShortReadError, as_source
+from .source import ByteSource, ShortReadError, as_source
 
 Progress = Callable[[int], None]
 
@@ -138,8 +138,9 @@ def _frames_of_file(source: ByteSource, name: str, frames: list[FrameRecord], pr
     except OSError:
         progress(sum(frame.length for frame in frames))
         return  # reported by file_problems
-    if isinstance(source, DirectorySource):
-        yield from _directory_frames(source.directory / name, frames, progress)
+    directory = source.local_directory
+    if directory is not None:
+        yield from _directory_frames(directory / name, frames, progress)
         return
     for i, frame in enumerate(frames):
         span = f"bytes {frame.offset}..{frame.offset + frame.length}"

@@ -44,7 +44,6 @@ from .nodeparts import part_marker, publish_parts
 from .pacing import Pacer
 from .reader import CorruptCheckpointError
 from .records import FileRecord, FrameRecord
-from .retention import delete_step
 from .safeopen import make_dir, open_or_create, open_read, read_bytes, remove, write_durably
 from .stored import StoredCheckpoint
 from .verify import write_stamp
@@ -266,7 +265,7 @@ def paced(progress: Progress | None, pacer: Pacer | None) -> Progress | None:
 def _unpublish(target: FilesystemTier, step: int) -> None:
     """Delete the target's copy of ``step`` (in another format) so that the rewritten one takes its name."""
     try:
-        delete_step(target, step)
+        target.delete_step(step)
     except InUseError:
         raise MigrateError(f"step {step} on {target.name} is being read; not replacing it now") from None
 
@@ -396,7 +395,7 @@ def migrate(
             f"node(s) {', '.join(report.waiting_for)}, so this part is still needed"
         )
     if move:
-        delete_step(source, step)
+        source.delete_step(step)
         report.moved = True
     else:
         _note_receipt(source, step, target)

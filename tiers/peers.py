@@ -25,7 +25,6 @@ from .integrity import verify_source
 from .manifest import MANIFEST_NAME
 from .names import parse_rank_file
 from .pieces import CorruptCheckpointError
-from .retention import delete_step
 from .safeopen import check_regular, create_new, open_read
 from .verify import write_stamp
 
@@ -92,7 +91,7 @@ class ReceivedPart:
     def __init__(self, tier: FilesystemTier, step: int, node: str) -> None:
         self.tier, self.step, self.node = tier, step, node
         if step in tier.steps():
-            delete_step(tier, step)  # an older copy of the same step number: the new one replaces it
+            tier.delete_step(step)  # an older copy of the same step number: the new one replaces it
         self.partial = tier.begin(step)
         self.manifest = b""
 

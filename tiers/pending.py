@@ -35,7 +35,8 @@ from .migrate import MigrateReport
 from .pacing import Pacer
 from .pieces import CorruptCheckpointError
 from .retention import Decision, TierPolicies, collect_garbage, graph_of, prune
-from .transfer import AnyTier, transfer
+from .tier import Tier
+from .transfer import transfer
 from .verify import verify_step
 
 log = logging.getLogger("tierstate")
@@ -179,7 +180,7 @@ def flush_by_hand(
     run = FlushRun()
     graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])
     pending = pending_flushes(tiers, graph=graph)
-    targets: Mapping[str, AnyTier] = {**{p.tier.name: p.tier for p in tiers}, **{b.tier.name: b.tier for b in buckets}}
+    targets: Mapping[str, Tier] = {**{p.tier.name: p.tier for p in tiers}, **{b.tier.name: b.tier for b in buckets}}
     pacers = {edge.target: pacer or Pacer(edge.policy.bandwidth) for edge in graph.edges}
     sources = {p.source.name: p.source for p in pending}
     claims = []

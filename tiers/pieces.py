@@ -46,7 +46,7 @@ from .framefile import feed_range, has_holes
 from .manifest import Manifest
 from .records import FrameRecord, ObjectRecord, Piece, TensorRecord
 from .safeopen import open_read
-from .source import ByteSource, DirectorySource, ShortReadError, as_source
+from .source import ByteSource, ShortReadError, as_source
 
 IOV_MAX = 1024
 K = TypeVar("K", bound=Hashable)
@@ -352,8 +352,9 @@ def read_pieces(
             by_frame[(piece.file, piece.frame)].append((key, piece))
     source = as_source(location)
     with contextlib.ExitStack() as opened:
-        if isinstance(source, DirectorySource):  # file descriptors: scatter reads, holes checked
-            fds = opened.enter_context(opened_files(source.directory, {file for file, _ in by_frame}))
+        directory = source.local_directory
+        if directory is not None:  # file descriptors: scatter reads, holes checked
+            fds = opened.enter_context(opened_files(directory, {file for file, _ in by_frame}))
 
             def read(file: str, frame: FrameRecord, pieces: list[tuple[Hashable, Piece]], where: str) -> None:
                 _read_frame(fds[file], frame, pieces, dest, where)

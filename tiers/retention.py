@@ -41,12 +41,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import faults
 from .due import FlushGraph, StepCopies, copies_of, fed_by, holdings
-from .filesystem import DELETING_SUFFIX, PARTIAL_SUFFIX, FilesystemTier, InvalidEntry, fsync_dir
+from .filesystem import DELETING_SUFFIX, PARTIAL_SUFFIX, FilesystemTier, InvalidEntry
 from .locks import InUseError, exclusive
 from .policy import FlushPolicy, RetentionPolicy
-from .safeopen import remove
 
 
 @dataclass(frozen=True)
@@ -69,18 +67,6 @@ class Decision:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def delete_step(tier: FilesystemTier, step: int) -> None:
-    """Unpublish, then remove, one committed checkpoint; InUseError if anyone holds it."""
-    path = tier.step_dir(step)
-    with exclusive(path):
-        doomed = tier.root / f"{path.name}{DELETING_SUFFIX}"
-        remove(doomed)  # left by an earlier crash in the middle of deleting this step (or planted: not followed)
-        os.rename(path, doomed)
-        fsync_dir(tier.root)
-        faults.point("prune.delete", doomed)
-        shutil.rmtree(doomed)
 
 
 def graph_of(tiers: Sequence[TierPolicies], buckets: Sequence[tuple[str, FlushPolicy | None]] = ()) -> FlushGraph:
@@ -126,7 +112,7 @@ def prune(
             reason = _hold_reason(policies, step, steps, newest, graph, copies_of(step, dirs, held))
             if reason is None and not dry_run:
                 try:
-                    delete_step(policies.tier, step)
+                    policies.tier.delete_step(step)
                 except InUseError:
                     reason = "in use (being read, flushed or restored)"
                 except FileNotFoundError:

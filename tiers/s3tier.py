@@ -30,15 +30,17 @@ newest object or uploaded part is older than the grace period.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections import defaultdict
 from collections.abc import Collection, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .filesystem import CheckpointExistsError, FilesystemTier, TierError
+from .filesystem import CheckpointExistsError, FilesystemTier, InvalidEntry, Scope, TierError
 from .format import manifest_bytes, parse_manifest
 from .integrity import verify_source
 from .manifest import MANIFEST_NAME, Manifest
@@ -133,6 +135,13 @@ class BucketSource:
     def read_small(self, name: str) -> bytes:
         return self.store.get_bytes(self.prefix + name)
 
+    @property
+    def local_directory(self) -> None:
+        return None  # objects in a bucket: read through ranged GETs only
+
+    def reading(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # nothing to lock: a prefix is published by its manifest object
+
 
 @dataclass
 class S3Tier:
@@ -140,7 +149,22 @@ class S3Tier:
 
     name: str
     store: ObjectStore
-    scope: str = field(default="shared", init=False)
+    scope: Scope = field(default="shared", init=False)
+
+    def where(self, step: int | None = None) -> str:
+        """For messages: the prefix's ``s3://`` URL, or ``step``'s under it."""
+        return self.store.where() if step is None else self.store.where(step_name(step))
+
+    def as_directory(self) -> None:
+        return None
+
+    def as_bucket(self) -> S3Tier:
+        return self
+
+    def invalid(self) -> list[InvalidEntry]:
+        """Entries named like checkpoints that are none: a bucket has no such directories (a prefix without its
+        manifest is an upload in progress or left by a killed one, gc's business: :meth:`incomplete_steps`)."""
+        return []
 
     def step_prefix(self, step: int) -> str:
         return f"{step_name(step)}/"
@@ -203,7 +227,7 @@ class S3Tier:
                 raise
             report.outcome = "already there"
         finally:
-            self.release(claim)
+            self.release_claim(claim)
         return report
 
     def _upload_into(self, report: TransferReport, source: Path, manifest: Manifest, progress: Progress | None) -> None:
@@ -254,7 +278,7 @@ class S3Tier:
         except CheckpointExistsError:
             if manifest_bytes(self.manifest(step)) != manifest_bytes(whole):
                 raise
-        self.release(claim)
+        self.release_claim(claim)
         return []
 
     def claim(self, manifest: Manifest, nodes: Collection[str] = ()) -> Claim:
@@ -264,11 +288,11 @@ class S3Tier:
         step = manifest.step
         claim = claim_step(self.store, self.name, self.step_prefix(step), claim_key(manifest), manifest.created, nodes)
         if self.holds(step):
-            self.release(claim)
+            self.release_claim(claim)
             raise TierError(errno.EEXIST, f"tier {self.name} already holds step {step}")
         return claim
 
-    def release(self, claim: Claim) -> None:
+    def release_claim(self, claim: Claim) -> None:
         """Drop ``claim``: its upload is over (published, or failed). A claim another writer took over since
         is theirs and stays."""
         release_step(self.store, claim)

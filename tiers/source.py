@@ -19,17 +19,26 @@ Contract for an implementation:
   FileNotFoundError if missing;
 - no call follows a link or reads outside the location; an object that is not a plain one (a
   symlink, a FIFO planted under a checkpoint's name) is refused with an OSError naming it.
+
+Two capabilities beside the four calls, so that readers ask what a source can do, never what class
+it is: ``local_directory`` is the directory holding the objects as plain files (the fastest readers
+use file descriptors on them: scatter reads straight into tensors, sparse-file checks), None for a
+remote source; ``reading()`` holds the location against deletion while it is read (a shared lock that
+retention and migration respect on a directory; nothing to hold on a bucket prefix, whose
+publication is its manifest object).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from tierstate.errors import TierstateError
 
+from .locks import reading
 from .safeopen import check_regular, open_read, read_bytes
 
 
@@ -52,16 +61,24 @@ class ByteSource(Protocol):
 
     def read_small(self, name: str) -> bytes: ...
 
+    @property
+    def local_directory(self) -> Path | None: ...
+
+    def reading(self) -> AbstractContextManager[None]: ...
+
 
 class DirectorySource:
-    """A checkpoint directory as a :class:`ByteSource`: objects are the regular files in it.
-
-    ``directory`` is kept public because the fastest readers of local files (scatter reads straight
-    into tensors, sparse-file checks) use file descriptors, which only a directory has.
-    """
+    """A checkpoint directory as a :class:`ByteSource`: objects are the regular files in it."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
+
+    @property
+    def local_directory(self) -> Path:
+        return self.directory
+
+    def reading(self) -> AbstractContextManager[None]:
+        return reading(self.directory)
 
     @property
     def where(self) -> str:

@@ -34,7 +34,6 @@ from .format import ManifestError, MissingItemError, read_manifest
 from .gcpause import gc_paused
 from .integrity import Problem, admit, verify_source
 from .livefill import LiveFill, plan
-from .locks import reading
 from .manifest import Manifest, NodePart
 from .multirank import rank_view
 from .names import data_file_rank
@@ -42,7 +41,7 @@ from .pieces import CorruptCheckpointError, read_records
 from .reader import COPY_ERRORS, read_view
 from .records import AnyRecord, ObjectRecord, PerRankRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, RegionsRead, global_shape, read_regions, source_files
-from .source import ByteSource, DirectorySource, as_source
+from .source import ByteSource, as_source
 
 Location = Path | ByteSource  # where a stored checkpoint is: a step directory, or a bucket prefix's source
 
@@ -94,7 +93,7 @@ class StoredCheckpoint:
         """The checkpoint, read under a shared lock held until the block ends, so that retention or a
         migration cannot delete it while it is being read (a directory; other sources have no lock)."""
         source = as_source(location)
-        with reading(source.directory) if isinstance(source, DirectorySource) else contextlib.nullcontext():
+        with source.reading():
             yield cls(source, step)
 
     # --- what it is ----------------------------------------------------------------------------
@@ -106,7 +105,7 @@ class StoredCheckpoint:
     @property
     def directory(self) -> Path | None:
         """The local directory holding it, or None for a source that is no directory."""
-        return self.source.directory if isinstance(self.source, DirectorySource) else None
+        return self.source.local_directory
 
     @property
     def step(self) -> int:
@@ -285,9 +284,10 @@ class RankView:
         }
         chosen: dict[str, torch.Tensor] = {}
         fill = None
-        if isinstance(source, DirectorySource):  # file descriptors, kept open from verify to fill
+        directory = source.local_directory
+        if directory is not None:  # file descriptors, kept open from verify to fill
             chosen, frames = plan(self._view, records, live)
-            fill = LiveFill(source.directory, self._view, chosen, frames, workers, stage) if chosen else None
+            fill = LiveFill(directory, self._view, chosen, frames, workers, stage) if chosen else None
         try:
             if fill is not None:
                 fill.verify()

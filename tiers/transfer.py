@@ -14,20 +14,18 @@ import errno
 import time
 
 from .container import Format
-from .filesystem import FilesystemTier, TierError
+from .filesystem import TierError
 from .locks import reading
 from .migrate import MigrateReport, Progress, migrate, paced
 from .pacing import Pacer
-from .retention import delete_step
-from .s3tier import S3Tier, TransferReport
-
-AnyTier = FilesystemTier | S3Tier
+from .s3tier import TransferReport
+from .tier import Tier
 
 
 def transfer(
     step: int,
-    source: AnyTier,
-    target: AnyTier,
+    source: Tier,
+    target: Tier,
     *,
     move: bool = False,
     fmt: Format | None = None,
@@ -37,34 +35,23 @@ def transfer(
 ) -> MigrateReport:
     """Copy (``move``: then delete from ``source``) committed checkpoint ``step`` to ``target``; ``fmt``
     rewrites it between two directory tiers (a bucket takes and gives checkpoints as they are)."""
-    if isinstance(source, FilesystemTier) and isinstance(target, FilesystemTier):
-        return migrate(step, source, target, move=move, fmt=fmt, align=align, pacer=pacer, progress=progress)
+    here, there = source.as_directory(), target.as_directory()
+    if here is not None and there is not None:
+        return migrate(step, here, there, move=move, fmt=fmt, align=align, pacer=pacer, progress=progress)
     if fmt is not None:
         raise TierError(
             errno.EOPNOTSUPP, "a bucket takes and gives checkpoints as they are; convert on a directory tier"
         )
-    return _bucket_copy(step, source, target, move=move, pacer=pacer, progress=progress)
-
-
-def _bucket_copy(
-    step: int,
-    source: AnyTier,
-    target: AnyTier,
-    *,
-    move: bool,
-    pacer: Pacer | None,
-    progress: Progress | None,
-) -> MigrateReport:
-    """Between a directory tier and a bucket, either way; every frame verified on the way."""
     started = time.perf_counter()
     advance = paced(progress, pacer)
-    if isinstance(target, S3Tier) and isinstance(source, FilesystemTier):
-        with reading(source.step_dir(step)):
-            manifest = source.manifest(step)
-            sent: TransferReport = target.upload(source.step_dir(step), manifest, advance)
-    elif isinstance(source, S3Tier) and isinstance(target, FilesystemTier):
-        manifest = source.manifest(step)
-        sent = source.download(step, target, advance)
+    bucket = target.as_bucket()
+    if here is not None and bucket is not None:
+        with reading(here.step_dir(step)):
+            manifest = here.manifest(step)
+            sent: TransferReport = bucket.upload(here.step_dir(step), manifest, advance)
+    elif (bucket := source.as_bucket()) is not None and there is not None:
+        manifest = bucket.manifest(step)
+        sent = bucket.download(step, there, advance)
     else:
         raise TierError(errno.EOPNOTSUPP, f"step {step}: {source.name} -> {target.name}: both are buckets; "
                         "migrate through a directory tier")  # fmt: skip
@@ -77,10 +64,7 @@ def _bucket_copy(
         waiting_for=list(sent.waiting_for),
     )  # fmt: skip
     if move:
-        if isinstance(source, S3Tier):
-            source.delete_step(step)
-        else:
-            delete_step(source, step)
+        source.delete_step(step)
         report.moved = True
     report.seconds = time.perf_counter() - started
     return report

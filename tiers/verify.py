@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .filesystem import FilesystemTier, InvalidEntry
+from .filesystem import InvalidEntry
 from .format import ManifestError, checksum, now_iso
 from .integrity import Problem, Progress
-from .locks import reading
 from .manifest import MANIFEST_NAME
 from .safeopen import UnsafeFileError, read_bytes, remove, write_durably
+from .source import as_source
 from .stored import StoredCheckpoint
+from .tier import Tier
 
 STAMP_NAME = "verified.json"
 
@@ -102,34 +103,42 @@ class VerifyResult:
         }
 
 
-def invalid_result(tier: FilesystemTier, entry: InvalidEntry) -> VerifyResult:
+def invalid_result(tier: Tier, entry: InvalidEntry) -> VerifyResult:
     """The failed verification of a ``step-N`` entry that is no checkpoint (a lost manifest, a symlink):
     nothing in it is read."""
     return VerifyResult(tier.name, entry.step, entry.path, problems=[Problem(entry.what, None, entry.reason)])
 
 
-def verify_step(tier: FilesystemTier, step: int, progress: Progress | None = None) -> VerifyResult:
-    """Verify one committed checkpoint of ``tier``, holding it against deletion meanwhile."""
-    directory = tier.step_dir(step)
-    result = VerifyResult(tier.name, step, directory)
+def verify_step(tier: Tier, step: int, progress: Progress | None = None) -> VerifyResult:
+    """Verify one committed checkpoint of ``tier`` (a directory or a bucket prefix, read through the same
+    checks), holding it against deletion meanwhile; a directory's copy gets its stamp."""
+    location = as_source(tier.location(step))
+    result = VerifyResult(tier.name, step, location.local_directory or location.where)
     started = time.perf_counter()
-    with reading(directory):  # held through the stamp, so not StoredCheckpoint.locked: a bad manifest is a result
+    with location.reading():  # held through the stamp, so not StoredCheckpoint.locked: a bad manifest is a result
         try:
-            checkpoint = StoredCheckpoint(directory, step)
+            checkpoint = StoredCheckpoint(location, step)
         except ManifestError as exc:
             result.problems.append(Problem(MANIFEST_NAME, None, str(exc)))
         else:
             result.bytes = checkpoint.manifest.stored_bytes
             result.problems = checkpoint.verify(progress)
-        manifest = directory / MANIFEST_NAME
-        if manifest.is_file() and not manifest.is_symlink():  # a damaged copy stays marked until found clean
-            try:
-                warning = write_stamp(directory, result.problems)
-            except UnsafeFileError as exc:  # something planted under the stamp's name: removed, not followed
-                result.problems.append(Problem(STAMP_NAME, None, exc.reason))
-                remove(directory / STAMP_NAME)
-            else:
-                if warning:
-                    result.warnings.append(warning)
+        if location.local_directory is not None:
+            _stamp(location.local_directory, result)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _stamp(directory: Path, result: VerifyResult) -> None:
+    """Leave ``result`` in the checkpoint directory (a damaged copy stays marked until found clean)."""
+    manifest = directory / MANIFEST_NAME
+    if not manifest.is_file() or manifest.is_symlink():
+        return
+    try:
+        warning = write_stamp(directory, result.problems)
+    except UnsafeFileError as exc:  # something planted under the stamp's name: removed, not followed
+        result.problems.append(Problem(STAMP_NAME, None, exc.reason))
+        remove(directory / STAMP_NAME)
+    else:
+        if warning:
+            result.warnings.append(warning)

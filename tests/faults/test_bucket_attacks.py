@@ -44,7 +44,6 @@ from tierstate import Runner
 from tierstate.cli import main
 from tierstate.errors import TierstateError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.bucketcmds import verify_bucket_step
 from tierstate.tiers.filesystem import FilesystemTier, TierError
 from tierstate.tiers.format import checksum, manifest_bytes
 from tierstate.tiers.manifest import MANIFEST_NAME, Manifest
@@ -53,6 +52,7 @@ from tierstate.tiers.pacing import Pacer
 from tierstate.tiers.s3claim import CLAIM_NAME
 from tierstate.tiers.s3tier import S3Tier
 from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.verify import verify_step
 
 pytestmark = pytest.mark.faults
 endpoint = s3server.endpoint
@@ -105,7 +105,7 @@ def _judge(endpoint: str, url: str, writers: list[tuple[FilesystemTier, Manifest
     """(damaged, lost) of one race: the published step fails verification (damaged), or a writer that was
     told its upload succeeded does not find its own checkpoint published whole (lost)."""
     tier = _tier(endpoint, url)
-    damaged = int(5 in tier.steps() and bool(verify_bucket_step(tier, 5).problems))
+    damaged = int(5 in tier.steps() and bool(verify_step(tier, 5).problems))
     lost = 0
     for (local, manifest), outcome in zip(writers, results, strict=True):
         if outcome is not None:
@@ -195,7 +195,7 @@ def test_gc_beside_a_paced_upload_removes_nothing_of_it(endpoint, bucket, tmp_pa
 
     report = tier.upload(local.step_dir(5), manifest, progress)
     assert report.outcome == "copied" and said.count("0") == 4 and set(said) == {"0", "nothing to remove"}, said
-    assert tier.steps() == [5] and verify_bucket_step(tier, 5).problems == []
+    assert tier.steps() == [5] and verify_step(tier, 5).problems == []
     tally("bucket_gc_beside_upload", trials=said.count("0"), damaged=0, losses=0)
 
 
@@ -381,7 +381,7 @@ def test_the_unforged_copy_restores_bit_for_bit(endpoint, bucket, tmp_path):
     local = _local(tmp_path, pipeline__stages__compress__codec="zstd")
     tier = _tier(endpoint, f"s3://{bucket}/intact")
     tier.upload(local.step_dir(5), local.manifest(5))
-    assert verify_bucket_step(tier, 5).problems == []
+    assert verify_step(tier, 5).problems == []
     values = StoredCheckpoint(tier.source(5), 5).read()
     assert all(torch.equal(values[f"t/{k}"].view(torch.uint8), v.view(torch.uint8)) for k, v in expected(5).items())
     assert values["meta/value"] == {"step": 5}

@@ -24,7 +24,6 @@ import s3server
 
 from tierstate import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.bucketcmds import verify_bucket_step
 from tierstate.tiers.filesystem import FilesystemTier, TierError
 from tierstate.tiers.manifest import Manifest
 from tierstate.tiers.nodeparts import node_part
@@ -32,6 +31,7 @@ from tierstate.tiers.objstore import ObjectChangedError, ObjectStore
 from tierstate.tiers.s3claim import CLAIM_NAME, alive_here, claim_is_live, claim_step, release_step
 from tierstate.tiers.s3tier import S3Tier
 from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.verify import verify_step
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket
@@ -84,7 +84,7 @@ def test_a_claim_left_by_a_writer_killed_on_this_host_is_taken_over(endpoint, bu
     tier = _tier(endpoint, f"s3://{bucket}/taken")
     _claim(tier, _gone_pid())  # its process has exited: the claim is stale
     assert tier.upload(local.step_dir(5), local.manifest(5)).outcome == "copied"
-    assert tier.steps() == [5] and verify_bucket_step(tier, 5).problems == []
+    assert tier.steps() == [5] and verify_step(tier, 5).problems == []
     assert not any(o.name.endswith(CLAIM_NAME) for o in tier.store.list(""))
 
 
@@ -118,7 +118,7 @@ def test_two_checkpoints_of_one_step_uploaded_at_once_leave_the_published_one_in
         assert "tier bucket" in str(lost) and "step 5" in str(lost) or "step-5" in str(lost), lost
         tier = _tier(endpoint, url)
         assert tier.manifest(5) == Manifest.model_validate(writers[winner][0].manifest(5).model_dump())
-        assert verify_bucket_step(tier, 5).problems == []
+        assert verify_step(tier, 5).problems == []
         loaded = StoredCheckpoint(tier.source(5), 5).read()
         assert torch.equal(loaded["t/w"], writers[winner][1]["t/w"])
 
@@ -135,7 +135,7 @@ def test_gc_removes_a_claim_left_on_a_published_step(endpoint, bucket, tmp_path)
     assert tier.collect_garbage(older_than=3600) == []
     (found,) = tier.collect_garbage(older_than=0)
     assert (found.kind, found.what.endswith(f"step-5/{CLAIM_NAME}")) == ("stale claim", True)
-    assert tier.steps() == [5] and verify_bucket_step(tier, 5).problems == []
+    assert tier.steps() == [5] and verify_step(tier, 5).problems == []
 
 
 def test_a_claim_a_node_of_this_job_left_for_an_older_checkpoint_is_taken_over(endpoint, bucket, tmp_path):

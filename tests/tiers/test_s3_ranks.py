@@ -23,10 +23,10 @@ import s3server
 from conftest import REPO
 from launch import run_side_by_side
 from tierstate.tiers import faults
-from tierstate.tiers.bucketcmds import verify_bucket_step
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.objstore import ObjectStore
 from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.verify import verify_step
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket
@@ -104,7 +104,7 @@ def test_two_ranks_persist_to_a_bucket_each_uploading_its_files_and_rank_0_publi
     manifest = tier.manifest(2)
     assert (manifest.world_size, manifest.node_part) == (2, None)
     assert sorted(manifest.files) == ["rank-00000.data", "rank-00001.data"]
-    assert verify_bucket_step(tier, 2).problems == []
+    assert verify_step(tier, 2).problems == []
     staged = [tmp_path / "staging"] if not nodes else [tmp_path / "nodes" / n / "staging" for n in ("n0", "n1")]
     assert all(d.is_dir() for d in staged)
     objects = {o.name: (o.size, o.modified) for o in tier.store.list("step-2/")}
@@ -120,7 +120,7 @@ def test_two_ranks_persist_to_a_bucket_each_uploading_its_files_and_rank_0_publi
         assert seen["error"] is not None and "step 2" in seen["error"], rank
         assert "already holds step 2" in seen["error"] and "bucket" in seen["error"], rank
     assert {o.name: (o.size, o.modified) for o in tier.store.list("step-2/")} == objects
-    assert verify_bucket_step(tier, 2).problems == []
+    assert verify_step(tier, 2).problems == []
 
 
 def test_a_rank_killed_mid_upload_fails_the_step_on_the_others_and_nothing_is_published(endpoint, bucket, tmp_path):
@@ -150,7 +150,7 @@ def test_each_nodes_leader_flushes_its_part_to_the_bucket_and_the_last_publishes
     manifest = tier.manifest(3)
     assert (manifest.world_size, manifest.node_part) == (2, None)
     assert sorted(manifest.files) == ["rank-00000.data", "rank-00001.data"]
-    assert verify_bucket_step(tier, 3).problems == []
+    assert verify_step(tier, 3).problems == []
     for node in ("n0", "n1"):
         assert 3 in FilesystemTier("nvme", tmp_path / "nodes" / node / "nvme", "node").steps()
         shutil.rmtree(tmp_path / "nodes" / node / "nvme")

@@ -6,6 +6,7 @@ same code as a directory and gives the same values; its damage is caught by the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from pathlib import Path
 
@@ -46,6 +47,13 @@ class DictSource:
         if name not in self.objects:
             raise FileNotFoundError(errno.ENOENT, f"{self.where}/{name}: no such object")
         return self.objects[name]
+
+    @property
+    def local_directory(self) -> None:
+        return None  # no files: read a frame at a time through read_into
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # objects in memory: nothing deletes them mid-read
 
 
 def _saved(make_runner) -> Path:  # noqa: ANN001

@@ -39,7 +39,7 @@ from ..tiers.pending import FlushOutcome, flush_by_hand, mark_pending, pending_f
 from ..tiers.policy import RetentionPolicy
 from ..tiers.retention import collect_garbage, graph_of
 from ..tiers.stored import Location, StoredCheckpoint
-from ..tiers.transfer import AnyTier
+from ..tiers.tier import Tier
 from . import options, render
 from .progress import byte_progress
 from .s3 import run_s3
@@ -97,9 +97,9 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _directories(tiers: Sequence[AnyTier]) -> None:
+def _directories(tiers: Sequence[Tier]) -> None:
     """:func:`options.must_exist` for the directory tiers among ``tiers`` (a bucket was checked when built)."""
-    options.must_exist([t for t in tiers if isinstance(t, FilesystemTier)])
+    options.must_exist([d for t in tiers if (d := t.as_directory()) is not None])
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -254,15 +254,17 @@ def _import(args: argparse.Namespace) -> int:
         raise UsageError(f"{source}: not a DCP checkpoint directory (it has no .metadata file)")
     if args.step in target.steps():
         raise UsageError(f"--step {args.step}: tier {target.name} holds a checkpoint step {args.step} already")
-    if isinstance(target, FilesystemTier):
-        report = import_dcp(source, target.name, target.root, args.step, allow_pickle=args.allow_pickle)
+    directory, bucket = target.as_directory(), target.as_bucket()
+    if directory is not None:
+        report = import_dcp(source, target.name, directory.root, args.step, allow_pickle=args.allow_pickle)
     else:
+        assert bucket is not None  # a tier is one or the other
         with tempfile.TemporaryDirectory(prefix="tierstate-import-") as scratch:
             report = import_dcp(source, target.name, Path(scratch), args.step, allow_pickle=args.allow_pickle)
             local = FilesystemTier(target.name, Path(scratch))
             manifest = local.manifest(args.step)
             with byte_progress(not args.json)(f"upload step {args.step}", manifest.stored_bytes) as advance:
-                sent = target.upload(local.step_dir(args.step), manifest, advance)
+                sent = bucket.upload(local.step_dir(args.step), manifest, advance)
         report = replace(report, path=sent.target)
     names = ", ".join(f"{name} ({layout})" for name, layout in report.names.items())
     line = f"step {report.step} ({report.tier}): {report.items} items, {render.size(report.bytes)} from {source}"

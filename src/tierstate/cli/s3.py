@@ -81,12 +81,12 @@ def _listed(tier: S3Tier, step: int) -> dict[str, Any]:
 
 def run_s3(args: argparse.Namespace) -> int:
     # Imported here: the parser imports this module, and --help answers without importing torch.
-    from ..tiers.bucketcmds import verify_bucket_step
     from ..tiers.commands import UsageError
     from ..tiers.filesystem import FilesystemTier
     from ..tiers.objstore import ObjectStore
     from ..tiers.policy import RetentionPolicy
     from ..tiers.s3tier import S3Tier
+    from ..tiers.verify import verify_step
     from . import options
     from .progress import byte_progress
     from .render import size
@@ -106,7 +106,7 @@ def run_s3(args: argparse.Namespace) -> int:
         bad: list[str] = []
         for step in args.steps or tier.steps():
             with progress(f"verify step {step}", _stored_bytes(tier, step)) as advance:
-                bad += [f"step {step}: {problem}" for problem in verify_bucket_step(tier, step, advance).problems]
+                bad += [f"step {step}: {problem}" for problem in verify_step(tier, step, advance).problems]
         _emit(args, bad or ["every frame verified"], {"problems": bad})
         return 1 if bad else 0
     if args.action == "push":
