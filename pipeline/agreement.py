@@ -18,6 +18,7 @@ corrupt one is: taking the older step would lose the progress in between without
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +27,7 @@ from typing import Any, cast
 
 from ..providers.base import RankLocal, RestoreError
 from ..providers.composite import CompositeProvider
-from ..tiers.filesystem import FilesystemTier
+from ..tiers.filesystem import FilesystemTier, TierError
 from ..tiers.gcpause import gc_paused
 from ..tiers.s3tier import S3Tier
 from .collective_read import CollectiveRead
@@ -128,9 +129,6 @@ class Holdings:
         order, then the buckets' prefixes (the slowest copy, so the last resort)."""
         local: list[Copy] = [(t.name, t.step_dir(step)) for t in tiers if step in self.steps[t.name]]
         return local + [(b.name, b.source(step)) for b in buckets if step in self.steps[b.name]]
-
-    def lost_between(self, oldest: int, newest: int) -> list[tuple[int, str]]:
-        return [(step, text) for step, text in self.lost if oldest <= step <= newest]
 
     @property
     def held(self) -> set[int]:
@@ -262,3 +260,21 @@ def _agree(group: RestoreGroup, where: str, problem: BaseException | None) -> No
     failures = [f"rank {rank}: {text}" for rank, text in enumerate(said) if text is not None]
     if failures:
         raise RestoreError(f"{where}: {'; '.join(failures)}") from problem
+
+
+def newest_held(group: RestoreGroup, steps: Callable[[], Mapping[str, list[int]]]) -> int | None:
+    """The newest step every rank of ``group`` holds on some tier (``steps()``: this rank's tiers' committed
+    steps), what ``restore("latest")`` takes; None on a first run. Collective: every rank gets the same
+    answer, or the same error if a rank could not list a tier (a step left out for that would be wrong)."""
+    held: set[int] = set()
+    error = None
+    try:
+        held = {step for listed in steps().values() for step in listed}
+    except OSError as exc:
+        error = f"rank {group.rank}: {exc}"
+    every = group.all_gather((sorted(held), error), "latest_step: which steps each rank holds")
+    held = set.intersection(*(set(listed) for listed, _error in every))
+    error = "; ".join(text for _listed, text in every if text is not None) or None
+    if error is not None:
+        raise TierError(errno.EIO, f"latest_step: a tier could not be listed: {error}")
+    return max(held, default=None)

@@ -1,13 +1,12 @@
-"""The runner's ``kind: s3`` tiers: opened and checked, published to as the persist tier, read on restore.
+"""The runner's ``kind: s3`` tiers: opened and checked, and published to as the persist tier.
 
 Each bucket is built and checked when the runner is built (:meth:`ObjectStore.check`), so missing or
 refused credentials and a missing bucket fail there, naming the tier, and not at the first flush.
 A bucket with a ``flush`` policy is a flush target like a directory (pipeline/flush.py, the rule in
 tiers/due.py): its copies, receipts, retries and reports are the flusher's.
 
-Restore: when a run starts on local tiers that lack the step asked for (a new machine, wiped NVMe),
-:meth:`Buckets.fetch` copies it down to the persist tier (parallel ranged GETs, every frame
-verified before the local commit); the restore then reads it there as any local copy.
+Restore reads a bucket's copy of a step in place, as the last of a rank's copies (pipeline/agreement.py:
+parallel ranged GETs, every frame verified), whether one rank restores or many.
 
 The persist bucket (``config.persist_bucket``: the persist stage names a bucket with ``staging``):
 the stage writes and commits each checkpoint in the staging directory, then :meth:`Buckets.publish`
@@ -51,7 +50,7 @@ def open_buckets(config: PipelineConfig) -> list[S3Tier]:
 
 
 class Buckets:
-    """The buckets of one runner: the persist bucket's publication and the copies fetched on restore."""
+    """The buckets of one runner, and the persist bucket's publication."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self._persist = config.persist_bucket
@@ -97,7 +96,7 @@ class Buckets:
                 seen = source.manifest(step)  # the whole checkpoint, or this node's part of it: one checkpoint id
                 if group.is_leader:
                     claim = bucket.claim(seen, list(group.nodes))
-            except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
+            except Exception as exc:  # told to every rank, which all fail the step with it
                 error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
             refused = group.from_leader(error if group.is_leader else None, f"step {step}: claiming it in {where}")
             if refused is not None:
@@ -105,7 +104,7 @@ class Buckets:
             if seen is not None and error is None:
                 try:
                     written = bucket.upload_files(source.step_dir(step), files_of_ranks(seen, [group.rank]))
-                except Exception as exc:  # noqa: BLE001 - told to every rank, which all fail the step with it
+                except Exception as exc:  # told to every rank, which all fail the step with it
                     error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
         whole_or_part = seen is not None and (group.is_leader if seen.node_part is None else group.is_node_leader)
         part = seen if whole_or_part else None  # what rank 0 needs to write the global manifest
@@ -131,29 +130,14 @@ class Buckets:
                 whole = join_parts(step, parts) if parts[0].node_part is not None else parts[0]
                 bucket.publish(whole, written)
                 self._retain(bucket)
-        except Exception as exc:  # noqa: BLE001 - every rank fails the step with it
+        except Exception as exc:  # every rank fails the step with it
             errors.append(f"rank 0 could not publish the manifest: {type(exc).__name__}: {exc}")
         try:
             if claim is not None:
                 bucket.release_claim(claim)  # every rank's uploads are over, whatever the outcome
-        except Exception as exc:  # noqa: BLE001 - a claim left behind only delays a later writer until gc
+        except Exception as exc:  # a claim left behind only delays a later writer until gc
             log.warning("step %d: could not release its claim in bucket %s: %s", step, bucket.name, exc)
         return "; ".join(errors) or None
 
     def _retain(self, bucket: S3Tier) -> None:
         prune_bucket(BucketPolicies(bucket, self._retention[bucket.name]), dry_run=False)
-
-    def fetch(self, which: int | str, target: FilesystemTier, local: set[int]) -> int | None:
-        """Copy step ``which`` (or, for ``"latest"``, the newest step in a bucket newer than every step
-        in ``local``) down to ``target`` when no local tier holds it; the step fetched, or None."""
-        for bucket in self._tiers:
-            steps = bucket.steps()
-            if which == "latest":
-                wanted = steps[-1] if steps and steps[-1] > max(local, default=-1) else None
-            else:
-                wanted = int(which) if int(which) in steps and int(which) not in local else None
-            if wanted is not None:
-                bucket.download(wanted, target)
-                log.info("checkpoint step %d fetched from %s to %s", wanted, bucket.store.where(), target.name)
-                return wanted
-        return None

@@ -180,8 +180,8 @@ class CollectiveRead:
         return {key: exchanged[view.stored_key(key)] for key in keys}, [], served
 
     def _read_whole(self, checkpoint: StoredCheckpoint, keys: list[str]) -> Mapping[str, Any]:
-        """Every item of ``keys``, verified; the live tensors' read straight into them (``read_into``)."""
-        read = checkpoint.read_into(self.provider.restore_destinations(), keys, allow_pickle=self.allow_pickle)
+        """Every item of ``keys``, verified; the live tensors' read straight into them (``fill_live``)."""
+        read = checkpoint.fill_live(self.provider.restore_destinations(), keys, allow_pickle=self.allow_pickle)
         self.bytes_read = checkpoint.stored_bytes
         return fresh_read(read.values, read.fill)
 

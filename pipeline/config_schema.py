@@ -47,7 +47,7 @@ STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
 
 # The default chunk: each chunk is handed between pipeline threads, and each hand-over takes the GIL from
 # the trainer for a moment; 64MiB chunks cost a Python-bound trainer 1.6-2x less step time than 16MiB,
-# durable and cold restore as fast or faster, warm restore 1.6x faster: benchmarks/RESULTS.md, issue 16.
+# durable and cold restore as fast or faster, warm restore 1.6x faster (benchmarks/RESULTS.md).
 DEFAULT_CHUNK = 64 * MiB
 _SIZE = TypeAdapter(ByteSize)
 
@@ -199,7 +199,7 @@ class StageBase(_Strict):
 def capture_workers_for_host() -> int:
     """``workers: auto`` of capture: the cores this process may run on, less one kept for the
     trainer's own thread, between 1 and 2. Each capture worker copies and checksums at memory speed;
-    on a 2-core host a second one only takes the core the trainer needs (issue 16: it doubled a
+    on a 2-core host a second one only takes the core the trainer needs (measured: it doubled a
     Python-bound trainer's step-time inflation), and two already copy faster than a disk writes."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(2, cores - 1))
@@ -417,7 +417,7 @@ class ConfigSchema(_Strict):
     @classmethod
     def _default_chunk_size(cls, data: Any) -> Any:
         """``chunk_size`` left out: from the sizes the config bounds (default_chunk_size), so that a
-        config with a small host cache, valid when 16MiB was the default, stays valid."""
+        config with a small host cache is valid without naming a chunk size that fits it."""
         if not isinstance(data, Mapping) or "chunk_size" in data:
             return data
         cache = data.get("host_cache")

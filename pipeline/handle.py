@@ -19,7 +19,9 @@ runner's loop thread (or on the trainer's, for a checkpoint that never reached t
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -322,3 +324,16 @@ def _settle(future: concurrent.futures.Future[T], value: T) -> None:
 def _fail(future: concurrent.futures.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+def first_leaf(error: BaseException) -> BaseException:
+    """TaskGroups wrap failures in ExceptionGroups; the user wants the one that started it."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+async def settled(handle: CheckpointHandle) -> None:
+    """Wait until ``handle`` is durable, failed or skipped, whichever; its outcome is its owner's to read."""
+    with contextlib.suppress(CheckpointFailed):
+        await asyncio.wrap_future(handle.durable_future)

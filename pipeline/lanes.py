@@ -7,7 +7,7 @@ hand-over between them. After its lane, a unit goes to the first later lane that
 stage with nothing to do never wakes a thread. Each hand-over between threads wakes one, which must
 take the GIL from the trainer (stage_threads.py): on a Python-bound trainer on a host with few cores,
 ``workers: 0`` for every stage after capture gives one thread per chunk from copy to write, as a plain
-thread doing the same would (issue 16, goal 4). It also means no overlap of one chunk's copy with
+thread doing the same would. It also means no overlap of one chunk's copy with
 another's write: durable takes longer, and capture, which an attached optimizer's next step waits
 for, runs only as fast as the writes. README "Threads" says when to choose it.
 

@@ -82,11 +82,6 @@ def candidate_steps(held: Collection[int], which: int | str, fallback: bool) -> 
 Copy = tuple[str, Location]  # a tier's name, and where its copy of a step is
 
 
-def tier_roots(tiers: list[FilesystemTier]) -> str:
-    """``name=root`` of each tier, for errors that must say where was looked."""
-    return ", ".join(f"{t.name}={t.root}" for t in tiers)
-
-
 def lost_entries(tiers: Sequence[Tier]) -> list[tuple[int, str]]:
     """Every ``step-N`` entry that is not a checkpoint (a lost manifest, a symlink): its step, and a text
     naming its tier and why: steps a restore cannot have."""
@@ -98,16 +93,11 @@ def lost_entries(tiers: Sequence[Tier]) -> list[tuple[int, str]]:
     ]
 
 
-def lost_steps(tiers: list[FilesystemTier], oldest: int, newest: int | None = None) -> list[str]:
-    """The texts of :func:`lost_entries` from step ``oldest`` to ``newest`` (None: any)."""
-    return [text for step, text in lost_entries(tiers) if step >= oldest and (newest is None or step <= newest)]
-
-
 def fresh_read(state: dict[str, Any], fill: Callable[[], None] | None = None) -> ReadState:
     """A state just read into buffers of its own (:meth:`StoredCheckpoint.read`), as the providers receive it: every
     tensor fresh, except those sharing storage with another item (tied weights), which a keeping
     provider must still copy, and empty ones, whose storages cannot be told apart. A live tensor
-    :meth:`StoredCheckpoint.read_into` is to ``fill`` counts as fresh too: the provider that keeps it keeps its own."""
+    :meth:`StoredCheckpoint.fill_live` is to ``fill`` counts as fresh too: the provider that keeps it keeps its own."""
     tensors = {key: v for key, v in state.items() if isinstance(v, torch.Tensor)}
     addresses = {key: storage_of(t) for key, t in tensors.items()}
     storages = Counter(addresses.values())

@@ -7,47 +7,42 @@ the next forward/backward runs, and the optimizer step pre-hook installed by ``a
 if they are still pending. One checkpoint is in flight at a time; another request meanwhile
 follows ``policies.in_flight`` (wait or skip), so nothing queues without bound.
 
-A runner belongs to the process that made it. A forked child (a ``multiprocessing`` worker, a
-DataLoader worker) inherits a copy of it but none of its threads: in the child it is closed at
-once (``os.register_at_fork``), so the child neither drains it at exit nor waits on a loop that does
-not run there, and leaves the parent's checkpoint files alone; only the parent drains.
+A runner belongs to the process that made it (pipeline/lifecycle.py: drained at exit, disowned in a
+forked child). What it hands each committed checkpoint to (flushes, peer copies) is pipeline/aftercommit.py's
+protocol; the threads and the cache it runs on, pipeline/engine.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
-import contextlib
-import errno
 import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from tierstate.errors import TierstateError
-
 from ..providers.base import OwnsOptimizer
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..tiers.filesystem import FilesystemTier, TierError
-from ..tiers.hostcache import HostCache
+from ..tiers.filesystem import FilesystemTier
 from ..tiers.s3tier import S3Tier
-from .agreement import restore_checkpoint
+from .aftercommit import AfterCommit
+from .agreement import newest_held, restore_checkpoint
 from .buckets import Buckets
 from .config import PipelineConfig, load_config, parse_config
 from .distributed import DistributedCommit, group_for_runner
+from .engine import Engine
 from .flush import Flusher, FlushFailure, FlushRole
 from .fresh import start_fresh
-from .handle import CheckpointFailed, CheckpointHandle, CheckpointResult, HandleCompleter
+from .handle import CheckpointHandle, CheckpointResult, HandleCompleter, first_leaf, settled
 from .holders import built_at, hold
 from .job import CheckpointJob, JobContext
 from .laziness import CaptureRules, release_copies, unwrap_optimizer
+from .lifecycle import RunnerClosedError, adopt, closed_reason
 from .metrics import CheckpointStats, RunMetrics
 from .peers import PeerLink
 from .plan_cache import PlanCache
@@ -55,24 +50,12 @@ from .registration import provider_for
 from .request import Request, checked_step, prepare
 from .restore import RestoreResult, nearest_first
 from .room import Room
-from .solo import SoloGroup
-from .stages.capture import SlabCopier
+from .solo import RestoreGroup, SoloGroup
 from .tierpaths import check_tier_paths, warn_unbounded, written_tiers
 from .trace import marks
 from .units import run_blocking
 
 log = logging.getLogger("tierstate")
-
-
-class RunnerClosedError(TierstateError, RuntimeError):
-    """A runner that is closed, or that a forked child inherited, was asked to do something."""
-
-
-def _first_leaf(error: BaseException) -> BaseException:
-    """TaskGroups wrap failures in ExceptionGroups; the user wants the one that started it."""
-    while isinstance(error, BaseExceptionGroup) and error.exceptions:
-        error = error.exceptions[0]
-    return error
 
 
 class Runner:
@@ -137,33 +120,20 @@ class Runner:
         hold(self, [(name, config.tiers[name].path) for name in written_tiers(config)])
         warn_unbounded(config)
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
+        # The ranks of this job, one process being a group of one (pipeline/solo.py): the collectives of
+        # listing, restoring and closing are the same code for one rank as for many.
+        self._ranks: RestoreGroup = self._group if self._group is not None else SoloGroup()
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
         # One writer per tier, in a process as across processes: this runner's tiers claim for its own token.
         owner = object()
         self.tiers = [FilesystemTier(name, t.path, t.scope, owner=owner) for name, t in config.tiers.items()]
-        pinned = config.host_cache.pinned
-        if pinned == "auto":
-            pinned = torch.cuda.is_available()
-        slab = max(4096, config.chunk_size // 4096 * 4096)
-        compress = config.stage_of_kind("compress")
-        scratch = config.threads_for("compress") if compress is not None and compress.codec != "none" else 0
-        self.cache = HostCache(config.host_cache.size, slab, pinned=bool(pinned), scratch=scratch)
-        # A checkpoint's stage workers hold their threads for its whole flow (stage_threads.py): one each,
-        # and one for the feeder; only one checkpoint flows at a time.
-        stage_workers = sum(s.workers for _, s in config.chain() if s.kind != "persist") + 1
-        self._compute = concurrent.futures.ThreadPoolExecutor(stage_workers, thread_name_prefix="tierstate-cpu")
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            config.chain()[-1][1].workers + 1, thread_name_prefix="tierstate-io"
-        )
-        self._copier = SlabCopier()
+        self._engine = Engine(config)
+        self.cache = self._engine.cache
         self._rules = CaptureRules()
         # Plans reused while the tensors stay the same (plan_cache.py); with many ranks each rank reuses its
         # own, and the commit takes its share of it per checkpoint (distributed.py, in the background).
-        self._plans = PlanCache(slab)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tierstate-loop", daemon=True)
-        self._thread.start()
+        self._plans = PlanCache(self._engine.slab_size)
         self._inflight: HandleCompleter | None = None
         self._lock = threading.Lock()
         self._owner_pid = os.getpid()
@@ -180,19 +150,16 @@ class Runner:
         # does what in FlushRole (many ranks: a shared persist tier's leader copies whole steps, each node's
         # leader its node's part).
         role = FlushRole.of(config, self._group, group_timeout)
-        self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._loop, role)
+        self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._engine.loop, role)
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
+        # Told of each commit, in commit order, then drained and closed in this order (pipeline/aftercommit.py).
+        self._after: list[AfterCommit] = [self._flusher, *([self._peers] if self._peers is not None else [])]
         persist = config.tiers[config.persist_tier]
-        self._room = Room.of(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._io)
-        # Not atexit.register: at interpreter exit the thread pools refuse new work before atexit
-        # handlers run, so a drain from there fails the checkpoint in flight. Threading's own exit
-        # hooks run earlier, newest first, so this one runs before the pools shut down.
-        # No public API runs a hook at that moment, hence threading's private one.
-        threading._register_atexit(_close_at_exit, weakref.ref(self))  # noqa: SLF001  # pyright: ignore[reportAttributeAccessIssue]
-        _RUNNERS.add(self)
+        self._room = Room.of(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._engine.io)
+        adopt(self)  # closed at interpreter exit if the trainer forgets, disowned in a forked child
         self._built = True
 
     def __repr__(self) -> str:
@@ -207,7 +174,7 @@ class Runner:
 
     def _refuse_if_closed(self, call: str) -> None:
         if self._closed:
-            raise RunnerClosedError(f"runner.{call}: {self._closed_reason()}")
+            raise RunnerClosedError(f"runner.{call}: {closed_reason(self._owner_pid)}")
 
     @classmethod
     def from_yaml(
@@ -280,10 +247,8 @@ class Runner:
 
     def _node_ranks(self) -> int:
         """How many ranks write into this node's directory of a node-scoped tier (all: a shared one)."""
-        if self._group is None:
-            return 1
         scoped = self.config.tiers[self.config.persist_tier].scope == "node"
-        return len(self._group.node_ranks) if scoped else self._group.world_size
+        return len(self._ranks.node_ranks) if scoped else self._ranks.world_size
 
     # --- checkpoint ---------------------------------------------------------------------------
     @marks("checkpoint()")
@@ -327,7 +292,7 @@ class Runner:
             )  # fmt: skip
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)
-            asyncio.run_coroutine_threadsafe(self._run(job, completer, request.copies), self._loop)
+            self._engine.start(self._run(job, completer, request.copies))
         return handle
 
     def _job_context(self, declined: BaseException | None) -> JobContext:
@@ -339,7 +304,8 @@ class Runner:
             else None
         )
         return JobContext(
-            self.config, self.cache, self.durable_tier, self._compute, self._io, self._copier, self.rank, commit,
+            self.config, self.cache, self.durable_tier, self._engine.compute, self._engine.io, self._engine.copier,
+            self.rank, commit,
             self._room,
         )  # fmt: skip
 
@@ -352,20 +318,8 @@ class Runner:
         """The step ``restore("latest")`` would take: the newest every rank holds on some tier (a bucket's
         too); None on a first run. Collective with many ranks (every rank gets the same answer, or the same
         error if a rank could not list a tier: a step left out for that would be a wrong answer)."""
-        held: set[int] = set()
         self._refuse_if_closed("latest_step()")  # collective with many ranks: the closed runner's group is gone
-        error = None
-        try:
-            held = {step for steps in self.steps().values() for step in steps}
-        except OSError as exc:
-            error = f"rank {self.rank}: {exc}"
-        if self._group is not None:
-            every = self._group.all_gather((sorted(held), error), "latest_step: which steps each rank holds")
-            held = set.intersection(*(set(steps) for steps, _error in every))
-            error = "; ".join(text for _steps, text in every if text is not None) or None
-        if error is not None:
-            raise TierError(errno.EIO, f"latest_step: a tier could not be listed: {error}")
-        return max(held, default=None)
+        return newest_held(self._ranks, self.steps)
 
     async def acheckpoint(self, step: int) -> CheckpointResult:
         """For async trainers: request a checkpoint and await its durability; raises CheckpointFailed.
@@ -376,7 +330,7 @@ class Runner:
         self._refuse_if_closed(f"acheckpoint({step!r})")
         if self.config.policies.in_flight == "wait":
             while (previous := self._inflight) is not None and not previous.handle.done():
-                await _settled(previous.handle)
+                await settled(previous.handle)
         handle = self.checkpoint(step)
         return await asyncio.wrap_future(handle.durable_future)
 
@@ -384,11 +338,11 @@ class Runner:
         try:
             path = await job.run()
             if self._buckets.persist_bucket is not None:  # durable once its manifest is in the bucket
-                await run_blocking(self._io, self._buckets.publish, job.step, self.durable_tier, self._group)
+                await run_blocking(self._engine.io, self._buckets.publish, job.step, self.durable_tier, self._group)
         except BaseException as exc:  # report, never raise into training
             release_copies(copies)
             self.history.append((completer.handle, job.stats))
-            completer.failed(_first_leaf(exc))
+            completer.failed(first_leaf(exc))
             if not isinstance(exc, Exception):
                 raise
             return
@@ -396,9 +350,8 @@ class Runner:
         self.history.append((completer.handle, job.stats))
         tier = self._buckets.persist_bucket or self.durable_tier.name
         completer.durable(CheckpointResult.of(job.step, tier, path, job.stats))
-        self._flusher.committed(completer)
-        if self._peers is not None:
-            self._peers.committed(completer)
+        for listener in self._after:
+            listener.committed(completer)
 
     def metrics(self) -> RunMetrics:
         """A summary of every checkpoint requested so far: counts by outcome, bytes, seconds and
@@ -441,11 +394,8 @@ class Runner:
         returned = None
         if self._peers is not None:  # collective: every rank of a job with peer copies takes part
             returned = self._peers.recall([t for t in self.tiers if t.scope == "node"])
-        if self._group is None:  # no local copy of the step (a wiped or new machine): a bucket's, copied down
-            self._buckets.fetch(which, self.durable_tier, {s for t in self.tiers for s in t.steps()})
-        tiers = nearest_first(self.tiers, returned)
-        group = self._group if self._group is not None else SoloGroup()
-        return restore_checkpoint(group, self.providers, tiers, which, allow_pickle, fallback, self._buckets.tiers)
+        tiers, buckets = nearest_first(self.tiers, returned), self._buckets.tiers
+        return restore_checkpoint(self._ranks, self.providers, tiers, which, allow_pickle, fallback, buckets)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -457,31 +407,13 @@ class Runner:
             return
         self._closed = True
         self.wait()
-        self.flush_failures = self._flusher.drain()  # every flush done or reported
-        if self._peers is not None:
-            self.flush_failures += self._peers.drain()  # after the flushes: a peer copy waits for its tier's
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-        self._compute.shutdown()
-        self._io.shutdown()
-        self._flusher.close()
+        # Every flush done or reported, then every peer copy (one waits for its tier's flush).
+        self.flush_failures = [failure for listener in self._after for failure in listener.drain()]
+        self._engine.stop()
         self.durable_tier.release()  # another job may write the tier now
-        if self._peers is not None:
-            self._peers.close()
-        if self._group is not None:
-            self._group.close()
-
-    def _closed_reason(self) -> str:
-        if os.getpid() != self._owner_pid:
-            return (
-                f"runner of process {self._owner_pid} is closed in its forked child {os.getpid()}: "
-                "only the process that made a runner checkpoints through it"
-            )
-        return (
-            "this runner is closed (close() was called, or its with-block ended): it checkpoints, registers and "
-            "restores no more; build a new one (Runner.from_yaml(...)) to go on: it restores from the same tiers"
-        )
+        for listener in self._after:
+            listener.close()
+        self._ranks.close()
 
     def disown(self) -> None:
         """In a forked child: the loop thread, the pools and the checkpoint in flight stayed with the parent."""
@@ -502,28 +434,3 @@ class Runner:
     def steps(self) -> dict[str, list[int]]:
         """Committed steps per tier, the buckets' included; after ``close()`` too (what the run left)."""
         return {tier.name: tier.steps() for tier in [*self.tiers, *self._buckets.tiers]}
-
-
-async def _settled(handle: CheckpointHandle) -> None:
-    """Wait until ``handle`` is durable, failed or skipped, whichever; its outcome is its owner's to read."""
-    with contextlib.suppress(CheckpointFailed):
-        await asyncio.wrap_future(handle.durable_future)
-
-
-# Every live runner, so that a forked child can close its copies (see the module docstring).
-_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()
-
-
-def _disown_after_fork() -> None:
-    for runner in list(_RUNNERS):
-        runner.disown()
-
-
-os.register_at_fork(after_in_child=_disown_after_fork)
-
-
-def _close_at_exit(ref: weakref.ref[Runner]) -> None:
-    """A trainer that forgets close() still gets its last requested checkpoint made durable."""
-    runner = ref()
-    if runner is not None:
-        runner.close()

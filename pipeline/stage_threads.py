@@ -2,12 +2,12 @@
 
 The YAML chain (capture -> serialize -> [compress ->] persist) keeps its meaning: each stage runs
 ``workers`` workers that take units from a queue bounded by the stage's ``queue``, and the host cache
-bounds what is in flight. What changed (issue 16, goal 4) is where a unit goes between stages: from
-one stage's thread straight to the next stage's thread. Through the asyncio loop, each hand-over (an
-executor round trip, a queue, a task switch) woke the loop thread, which must take the GIL from the
-trainer: measured on a Python-bound trainer on 2 cores, ~2 ms of the trainer's step time per 16 MiB
-chunk; with the hand-overs between threads, ~0.5 ms per chunk (fitted over chunk sizes; a bare
-hand-over between two threads costs ~60 us in a microbenchmark). The loop still runs what happens once
+bounds what is in flight. A unit goes from one stage's thread straight to the next stage's thread,
+never through the asyncio loop: a hand-over through the loop (an executor round trip, a queue, a
+task switch) wakes the loop thread, which must take the GIL from the trainer. Measured on a
+Python-bound trainer on 2 cores: ~2 ms of the trainer's step time per 16 MiB chunk through the loop,
+~0.5 ms between threads (fitted over chunk sizes; a bare hand-over between two threads costs ~60 us
+in a microbenchmark; DESIGN.md, "Units between threads"). The loop still runs what happens once
 per checkpoint (the plan, opening, the commit) and awaits the whole flow as one call.
 
 A failure anywhere stops the flow: every wait (a full or empty queue, a full host cache, a retry's

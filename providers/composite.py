@@ -48,7 +48,7 @@ class CompositeProvider:
         trial = CompositeProvider(**self._children)
         for name, provider in providers.items():
             trial.add(name, provider)
-        self._children = trial._children  # noqa: SLF001  # its own class
+        self._children = trial._children    # its own class
 
     def add(self, name: str, provider: StateProvider) -> CompositeProvider:
         """Register ``provider`` under ``name`` (non-empty, no ``/``, unused); returns self for chaining."""

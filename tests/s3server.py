@@ -100,8 +100,8 @@ def _atomic_writes() -> None:
         return
     lock = threading.RLock()
 
-    def locked(method):  # noqa: ANN001, ANN202
-        def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def locked(method):
+        def call(self, *args, **kwargs):
             with lock:
                 return method(self, *args, **kwargs)
 
@@ -111,7 +111,7 @@ def _atomic_writes() -> None:
         setattr(S3Response, name, locked(getattr(S3Response, name)))
     key_response = S3Response.key_response
 
-    def answered(self, request, full_url, headers):  # noqa: ANN001, ANN202
+    def answered(self, request, full_url, headers):
         answer = key_response(self, request, full_url, headers)
         return _answered(request.method, full_url.split("?", 1)[0], answer)
 
@@ -190,7 +190,7 @@ class FaultyProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002, ARG002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
             def _any(self) -> None:
@@ -226,7 +226,7 @@ class FaultyProxy:
                 self.wfile.write(data)
                 conn.close()
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any  # noqa: N815
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

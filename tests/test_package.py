@@ -29,7 +29,7 @@ def test_facade_exports_the_public_api() -> None:
 
 
 def test_every_error_tierstate_defines_derives_from_the_base() -> None:
-    import tierstate.pipeline  # noqa: E401, F401
+    import tierstate.pipeline
     import tierstate.providers
     import tierstate.tiers
     errors = [

@@ -34,7 +34,7 @@ from .pacing import Pacer
 from .peers import peer_copies
 from .retention import Decision, TierPolicies, graph_of, prune
 from .source import ByteSource
-from .stored import StoredCheckpoint
+from .stored import StoredCheckpoint, read_first_clean
 from .tier import Tier
 from .transfer import transfer
 from .verify import VerifyResult, invalid_result, verify_step
@@ -323,14 +323,12 @@ def export_step(
             raise UsageError(HF_NEEDS_PROVIDER)
         return export_hf(checkpoint, out, provider, advance, max_shard_size)
 
-    problems = []
-    for tier in holders:  # fastest first; a damaged copy gives way to the next tier's
-        try:
-            with StoredCheckpoint.locked(tier.location(step), step) as checkpoint:
-                with progress(f"export step {step}", checkpoint.stored_bytes) as advance:
-                    report = write(checkpoint, advance)
-        except FAILURES as exc:
-            problems.append(f"{tier.name}: {exc}")
-            continue
-        return Exported(tier.name, report)
+    def measured(checkpoint: StoredCheckpoint) -> ExportReport:
+        with progress(f"export step {step}", checkpoint.stored_bytes) as advance:
+            return write(checkpoint, advance)
+
+    problems: list[str] = []
+    found = read_first_clean(holders, step, measured, problems, errors=FAILURES)  # a damaged copy gives way
+    if found is not None:
+        return Exported(found[0].name, found[1])
     return ExportFailure(step, problems)

@@ -207,7 +207,7 @@ def _pickle_problem(data: bytes) -> str | None:
     try:
         for _op, _arg, _pos in pickletools.genops(data):
             pass
-    except Exception as exc:  # noqa: BLE001 - genops raises ValueError and more on garbage; all mean "no pickle"
+    except Exception as exc:  # genops raises ValueError and more on garbage; all mean "no pickle"
         return f"not a pickle stream ({type(exc).__name__}: {exc})"
     return None
 

@@ -1,15 +1,14 @@
 """Restoring straight into live tensors: every frame verified first, then read once into its destination.
 
-A restore into a live model and optimizer used to read every item into fresh buffers and copy them
-over (or let the optimizer keep them). Fresh memory must be faulted in page by page: on the 2-core
-VM of benchmarks/RESULTS.md that is ~2 us per 4 KiB page, 0.9 s for the 1.52 GB GPT state, where
+Why not read into fresh buffers and copy them over: fresh memory must be faulted in page by page (on
+the 2-core VM of benchmarks/RESULTS.md ~2 us per 4 KiB page, 0.9 s for the 1.52 GB GPT state), where
 one memcpy of the same bytes into the live tensors takes 0.1-0.15 s. The live tensors are already
 faulted in, so the bytes go there, and only there, in two passes over the frames that hold them,
 each pass spread over threads (``preadv`` and xxh3 release the GIL):
 
 1. :meth:`LiveFill.verify`: each such frame hashed whole through a small block per thread that
    stays in cache; a mismatch (or a truncated or unreadable file) fails the read before any live
-   tensor is touched, so the copy is at fault and the next one may be tried, as before.
+   tensor is touched, so the copy is at fault and the next one may be tried.
 2. :meth:`LiveFill.fill`, run by the restore after the providers without ``check`` restored and
    before the checked ones (providers/atomic.py): each frame read again, every destination's piece
    straight into the tensor's own bytes (one scatter ``preadv``), the bytes between pieces through
@@ -26,8 +25,8 @@ the second pass was changed in place under the read lock (a hostile writer, fail
 the restore fails saying that the checked providers' tensors were partly overwritten.
 
 Only plain tensors qualify (same dtype and shape as stored, contiguous, not a DTensor, storage not
-shared with another destination) in uncompressed frames; every other item is read as before
-(:func:`tiers.reader.read_view`) and copied by its provider.
+shared with another destination) in uncompressed frames; every other item is read into a buffer of its
+own (:func:`tiers.reader.read_view`) and copied by its provider.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def fits(tensor: object, record: TensorRecord) -> bool:
 
 def _plain_frame(frame: FrameRecord, targets: Targets) -> bool:
     """Uncompressed, and the destination pieces lie inside it without overlapping (a forged manifest
-    could claim otherwise; such a frame is read the old way, which copes with it)."""
+    could claim otherwise; such a frame is read into a buffer of its own, which copes with it)."""
     if frame.codec != "none" or frame.shuffle != 1:
         return False
     position = 0
@@ -101,7 +100,7 @@ def plan(
             by_frame[(piece.file, piece.frame)].append((key, piece))
     odd = {key for (file, index), t in by_frame.items() if not _plain_frame(manifest.files[file].frames[index], t)
            for key, _ in t}  # fmt: skip
-    if odd:  # a key with any piece in an odd frame is read the old way, whole
+    if odd:  # a key with any piece in an odd frame is read into a buffer of its own, whole
         chosen = {key: tensor for key, tensor in chosen.items() if key not in odd}
         by_frame = defaultdict(list)
         for key in chosen:

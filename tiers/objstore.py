@@ -88,7 +88,7 @@ class Upload:
     last_active: datetime  # when it began or last received a part: a slow upload at work is not garbage
 
 
-def _boto3() -> Any:  # noqa: ANN401 - boto3 has no type stubs installed
+def _boto3() -> Any:  # boto3 has no type stubs installed
     try:
         import boto3
     except ImportError:

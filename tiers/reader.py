@@ -9,25 +9,21 @@ except that an alias (a tied tensor) is the very tensor of its target.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .boxes import Box
 from .dtypes import dtype_from_name
-from .format import ManifestError, MissingItemError, read_manifest
+from .format import ManifestError, MissingItemError
 from .gcpause import gc_paused
-from .integrity import admit
 from .manifest import Manifest
-from .multirank import rank_view
 from .objcodec import decode_object
-from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what load and read_items raise
+from .pieces import CorruptCheckpointError as CorruptCheckpointError  # what a read raises on a damaged copy
 from .pieces import ReadTooLargeError, read_records
 from .records import ObjectRecord, ShardedRecord, TensorRecord, stored_key
 from .reshard import Region, global_shape, read_regions
-from .source import ByteSource, as_source
+from .source import ByteSource
 
 #: What reading one copy of a checkpoint fails with when that copy is at fault (invalid, damaged,
 #: unreadable, too large for this machine, without the items asked for): a restore then tries the
@@ -37,30 +33,6 @@ COPY_ERRORS = (ManifestError, CorruptCheckpointError, ReadTooLargeError, Missing
 
 
 @gc_paused()  # a buffer, a view and a record per item: see tiers/gcpause.py
-def read_items(
-    location: Path | ByteSource,
-    manifest: Manifest | None = None,
-    keys: Iterable[str] | None = None,
-    allow_pickle: bool = False,
-    workers: int = 4,
-    rank: int = 0,
-) -> dict[str, Any]:
-    """Read items (all by default) of the checkpoint at ``location``: key -> tensor (CPU) or object.
-
-    Of a multi-rank checkpoint, sharded tensors come back whole and per-rank items as ``rank``'s.
-    """
-    source = as_source(location)
-    manifest = manifest or read_manifest(source)
-    wanted = list(manifest.items) if keys is None else list(keys)
-    unknown = [k for k in wanted if k not in manifest.items]
-    if unknown:
-        raise MissingItemError(f"{source.where}: no item(s) {', '.join(unknown[:8])}")
-    admit(source, manifest)
-    view = rank_view(manifest, rank, wanted)
-    return read_view(source, view, wanted, allow_pickle, workers)
-
-
-@gc_paused()
 def read_view(
     source: ByteSource, view: Manifest, wanted: list[str], allow_pickle: bool = False, workers: int = 4
 ) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 A checkpoint is a handful of named objects (``manifest.json``, data files, indexes). The readers
 need four things of the place holding them, and nothing else: the names there, an object's size, a
 byte range of an object read into a buffer the reader owns (so bytes land once, straight where they
-belong), and a whole small object (a manifest, an index). A directory implements it now
-(:class:`DirectorySource`); a bucket prefix implements the same four calls to be read by the same
-code. Checksums are not the source's business: the layers above verify every byte they are given.
+belong), and a whole small object (a manifest, an index). A directory implements it
+(:class:`DirectorySource`), and so does a bucket prefix (:class:`tiers.s3tier.BucketSource`), read by
+the same code. Checksums are not the source's business: the layers above verify every byte they are given.
 
 Contract for an implementation:
 

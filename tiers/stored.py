@@ -1,7 +1,7 @@
 """One stored checkpoint as one object: what every reader outside the reading layers takes.
 
 Like DCP's ``StorageReader``, a :class:`StoredCheckpoint` owns where the checkpoint is (a
-:class:`~tiers.source.ByteSource`: a directory now, a bucket prefix next), its manifest (read and
+:class:`~tiers.source.ByteSource`: a directory or a bucket prefix), its manifest (read and
 validated once, checked against the step it was asked for), the read lock that keeps retention from
 deleting it meanwhile, and a rank's view of it (:class:`RankView`). Readers (restore on one rank or
 many, export, the HF directory, the CLI, the DCP and HF integrations) ask it for items, regions of
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -60,7 +60,7 @@ __all__ = [
 
 @dataclass
 class LiveRead:
-    """What :meth:`RankView.read_into` read: ``values`` by key, of which the live tensors it was given
+    """What :meth:`RankView.fill_live` read: ``values`` by key, of which the live tensors it was given
     (not yet holding the checkpoint's bytes: every frame of them verified, none read in) until
     ``fill`` (None if none qualified) has run; see tiers/livefill.py."""
 
@@ -156,7 +156,7 @@ class StoredCheckpoint:
         or object. Sharded tensors come back whole, per-rank items as ``rank``'s."""
         return self.view(rank, keys).read(allow_pickle=allow_pickle, workers=workers)
 
-    def read_into(
+    def fill_live(
         self,
         live: Mapping[str, torch.Tensor],
         keys: Iterable[str] | None = None,
@@ -165,8 +165,8 @@ class StoredCheckpoint:
         workers: int = 4,
     ) -> LiveRead:
         """:meth:`read`, the items with a tensor in ``live`` (by key) to be read straight into it: see
-        :meth:`RankView.read_into`."""
-        return self.view(rank, keys).read_into(live, allow_pickle=allow_pickle, workers=workers)
+        :meth:`RankView.fill_live`."""
+        return self.view(rank, keys).fill_live(live, allow_pickle=allow_pickle, workers=workers)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
         """Every check of tiers/integrity.py on all of it: file sizes, every frame's checksum (decoded to its
@@ -263,7 +263,7 @@ class RankView:
         self.checkpoint.admit(self._files_of(wanted))
         return read_view(self.checkpoint.source, self._view, wanted, allow_pickle, workers)
 
-    def read_into(
+    def fill_live(
         self,
         live: Mapping[str, torch.Tensor],
         keys: Iterable[str] | None = None,
@@ -339,3 +339,42 @@ def load(path: str | os.PathLike[str], allow_pickle: bool = False) -> dict[str, 
     """The plain state of one committed checkpoint directory, without a runner: key -> value."""
     with gc_paused():  # the manifest's records and the items' buffers: see tiers/gcpause.py
         return StoredCheckpoint(Path(path)).read(allow_pickle=allow_pickle)
+
+
+class Holder(Protocol):
+    """What reading the first clean copy needs of a tier, a directory or a bucket: its name, steps, a location."""
+
+    @property
+    def name(self) -> str: ...
+
+    def steps(self) -> list[int]: ...
+
+    def location(self, step: int) -> Location: ...
+
+
+HolderT = TypeVar("HolderT", bound=Holder)
+T = TypeVar("T")
+
+
+def read_first_clean(
+    tiers: Sequence[HolderT],
+    step: int,
+    read: Callable[[StoredCheckpoint], T],
+    problems: list[str],
+    listed: Mapping[str, Collection[int]] | None = None,
+    errors: tuple[type[BaseException], ...] = COPY_ERRORS,
+) -> tuple[HolderT, T] | None:
+    """The first of ``tiers`` (in order: fastest first, the buckets last) holding ``step`` whose copy ``read``
+    reads without one of ``errors`` (a copy at fault), with what it read; None if none does. Each copy is read
+    locked (retention cannot delete it meanwhile), and each one passed over is added to ``problems``, named.
+    ``listed``: each tier's steps by name, as the caller listed them (a bucket's listing is a request: a
+    caller trying step after step lists once), else each tier is listed here."""
+    for tier in tiers:
+        if step not in (listed[tier.name] if listed is not None else tier.steps()):
+            continue
+        try:
+            with StoredCheckpoint.locked(tier.location(step), step) as checkpoint:
+                return tier, read(checkpoint)
+        except errors as exc:
+            problems.append(f"tier {tier.name} step {step}: {exc}")
+    return None

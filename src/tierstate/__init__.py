@@ -23,11 +23,12 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.pipeline.fresh import ExistingCheckpointsError
     from tierstate.pipeline.handle import CheckpointFailed, CheckpointHandle, CheckpointResult
     from tierstate.pipeline.laziness import AttachError
+    from tierstate.pipeline.lifecycle import RunnerClosedError
     from tierstate.pipeline.metrics import CheckpointStats, RunMetrics
     from tierstate.pipeline.registration import RegistrationError
     from tierstate.pipeline.request import CaptureChangedError, InvalidStepError, NothingRegisteredError
     from tierstate.pipeline.restore import NoCheckpointError, NothingToRestoreError, RestoreResult
-    from tierstate.pipeline.runner import Runner, RunnerClosedError
+    from tierstate.pipeline.runner import Runner
     from tierstate.providers import (
         ChildRestoreError,
         CompositeProvider,
@@ -71,11 +72,12 @@ _HOMES = {
     "tierstate.pipeline.fresh": ("ExistingCheckpointsError",),
     "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
     "tierstate.pipeline.laziness": ("AttachError",),
+    "tierstate.pipeline.lifecycle": ("RunnerClosedError",),
     "tierstate.pipeline.metrics": ("CheckpointStats", "RunMetrics"),
     "tierstate.pipeline.registration": ("RegistrationError",),
     "tierstate.pipeline.restore": ("NoCheckpointError", "NothingToRestoreError", "RestoreResult"),
     "tierstate.pipeline.request": ("CaptureChangedError", "InvalidStepError", "NothingRegisteredError"),
-    "tierstate.pipeline.runner": ("Runner", "RunnerClosedError"),
+    "tierstate.pipeline.runner": ("Runner",),
     "tierstate.providers": (
         "ChildRestoreError", "CompositeProvider", "MetaBufferError", "ModuleProvider", "ObjectItem", "ObjectProvider",
         "OptimizerProvider", "ProviderNameError", "RestoreError", "RNGProvider", "ShardInfo", "StatefulProvider",

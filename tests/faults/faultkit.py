@@ -33,7 +33,7 @@ from tierstate.providers import ObjectProvider
 from tierstate.providers.items import TensorItem
 from tierstate.tiers import faults
 from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.reader import read_items
+from tierstate.tiers.stored import StoredCheckpoint
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "configs" / "default.yaml"
@@ -164,7 +164,7 @@ def audit(root: Path) -> Audit:
         for step in tier.steps():
             steps.add(step)
             try:
-                state = read_items(tier.step_dir(step))
+                state = StoredCheckpoint(tier.step_dir(step)).read()
             except Exception as exc:  # any failure to read a committed checkpoint is a loss
                 losses.append(f"{tier.name} step {step}: {type(exc).__name__}: {exc}")
                 continue

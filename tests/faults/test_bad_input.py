@@ -36,8 +36,7 @@ from tierstate.tiers.codecs import CodecError, decompress
 from tierstate.tiers.format import ManifestError, _canonical, checksum, parse_index, parse_manifest
 from tierstate.tiers.manifest import FORMAT_VERSION, MANIFEST_NAME
 from tierstate.tiers.objcodec import MAX_DEPTH, ObjectCodecError, decode_object, encode_object
-from tierstate.tiers.reader import read_items
-from tierstate.tiers.stored import CorruptCheckpointError, load
+from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint, load
 
 pytestmark = pytest.mark.faults
 
@@ -439,7 +438,7 @@ def test_fuzz_manifest_edits(checkpoint: Path, data: st.DataObject) -> None:
     except ManifestError:
         return
     try:
-        read_items(checkpoint, manifest)
+        StoredCheckpoint(checkpoint, manifest=manifest).read()
     except READ_ERRORS:
         pass
 

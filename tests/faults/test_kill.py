@@ -34,8 +34,8 @@ from faultkit import (
 )
 from tierstate import cli
 from tierstate.tiers.migrate import migrate
-from tierstate.tiers.reader import read_items
 from tierstate.tiers.retention import collect_garbage, leftovers
+from tierstate.tiers.stored import StoredCheckpoint
 
 pytestmark = pytest.mark.faults
 
@@ -140,7 +140,7 @@ def test_an_unkilled_trainer_commits_every_step(tmp_path: Path) -> None:
     assert trial.exitcode == 0 and trial.durable == trial.requested == list(range(1, STEPS + 1))
     found = audit(tmp_path)
     assert found.steps == trial.durable and found.partials == [] and found.losses == []
-    assert matches_step(read_items(faultkit.tiers_of(tmp_path)[0].step_dir(STEPS)), STEPS)
+    assert matches_step(StoredCheckpoint(faultkit.tiers_of(tmp_path)[0].step_dir(STEPS)).read(), STEPS)
 
 
 # --- background flush (NVMe -> PFS) and retention ---------------------------------------------------

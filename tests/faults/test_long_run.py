@@ -16,8 +16,8 @@ from faultkit import audit, make_runner, open_fds, rss_bytes, run_forgetful, sca
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ObjectProvider
 from tierstate.providers.items import TensorItem
-from tierstate.tiers.reader import read_items
 from tierstate.tiers.retention import collect_garbage, leftovers
+from tierstate.tiers.stored import StoredCheckpoint
 
 pytestmark = pytest.mark.faults
 
@@ -47,7 +47,7 @@ def _tasks(runner: Runner) -> int:
     async def count() -> int:
         return len(asyncio.all_tasks()) - 1
 
-    return asyncio.run_coroutine_threadsafe(count(), runner._loop).result()
+    return asyncio.run_coroutine_threadsafe(count(), runner._engine.loop).result()
 
 
 def _threads() -> list[str]:
@@ -57,7 +57,7 @@ def _threads() -> list[str]:
 def _pool_threads(runner: Runner) -> set[str]:
     """Every thread name the runner's fixed-size pools may ever start: a pool starts its threads
     lazily, so one may first appear after the warm-up without being a leak."""
-    pools = [runner._compute, runner._io, runner._flusher._pool]
+    pools = [runner._engine.compute, runner._engine.io, runner._flusher._pool]
     return {f"{pool._thread_name_prefix}_{i}" for pool in pools for i in range(pool._max_workers)}
 
 
@@ -124,7 +124,7 @@ def test_a_trainer_that_forgets_close(tmp_path: Path, hard_exit: bool) -> None:
     else:
         assert found.steps in ([1], [1, 2]) and found.partials in ([], ["step-2.partial"])
         assert len(found.steps) + len(found.partials) == 2
-    assert read_items(tiers_of(tmp_path)[0].step_dir(1))["meta/value"] == {"step": 1}
+    assert StoredCheckpoint(tiers_of(tmp_path)[0].step_dir(1)).read()["meta/value"] == {"step": 1}
     collect_garbage(tiers_of(tmp_path), older_than=0)
     assert audit(tmp_path).partials == [] and audit(tmp_path).steps == found.steps
 
@@ -163,7 +163,7 @@ def test_hundreds_of_checkpoints_with_flush_and_retention(tmp_path: Path) -> Non
     assert pfs.steps() == [s for s in range(1, last + 1) if s % 10 == 0][-2:]
     for tier in (nvme, pfs):
         for step in tier.steps():
-            values = read_items(tier.step_dir(step))
+            values = StoredCheckpoint(tier.step_dir(step)).read()
             assert bool((values["s/w"] == step).all()) and bool((values["s/b"] == -step).all())
     assert [p for t in (nvme, pfs) for p in leftovers(t)] == []
     assert grown < 24 << 20, f"RSS grew by {grown >> 20} MiB over {last - 10} checkpoints"

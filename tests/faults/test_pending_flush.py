@@ -28,8 +28,8 @@ from tierstate import cli
 from tierstate.pipeline.config import load_config
 from tierstate.tiers.filesystem import FilesystemTier
 from tierstate.tiers.pending import pending_flushes
-from tierstate.tiers.reader import read_items
 from tierstate.tiers.retention import TierPolicies
+from tierstate.tiers.stored import StoredCheckpoint
 
 pytestmark = pytest.mark.faults
 
@@ -93,7 +93,7 @@ def test_flushes_a_killed_trainer_left_reach_their_tier_and_later_checkpoints_fi
     flushed = _tier(extra, target)
     for step in [p.step for p in left] + list(range(newest + 1, newest + 5)):
         assert step in flushed.steps(), f"step {step} never reached {target}"
-        assert matches_step(read_items(flushed.step_dir(step)), step)
+        assert matches_step(StoredCheckpoint(flushed.step_dir(step)).read(), step)
     assert pending_flushes(_policies(extra)) == []
     assert source.steps() == [newest + 4]  # keep_last 1: the resumed copies were freed once flushed
     assert source.partials() == []
@@ -129,7 +129,7 @@ def test_a_damaged_pending_copy_is_reported_once_and_freed(tmp_path: Path, caplo
     nvme, pfs = _tier(extra, "nvme"), _tier(extra, "pfs")
     assert pfs.steps() == [2, 3, 4] and nvme.steps() == [4]  # step 1 freed by keep_last 1, not pinned
     for step in (2, 3, 4):
-        assert matches_step(read_items(pfs.step_dir(step)), step)
+        assert matches_step(StoredCheckpoint(pfs.step_dir(step)).read(), step)
 
     caplog.clear()
     with trainer(tmp_path, **extra) as (runner, _):
@@ -205,7 +205,7 @@ def test_two_runners_started_on_the_same_tiers_flush_each_pending_step_once(tmp_
     pfs = _tier(extra, "pfs")
     assert pfs.steps() == [1, 2, 3, 4] and pfs.partials() == []
     for step in (1, 2, 3, 4):
-        assert matches_step(read_items(pfs.step_dir(step)), step)
+        assert matches_step(StoredCheckpoint(pfs.step_dir(step)).read(), step)
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

@@ -17,10 +17,10 @@ import sys
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from tierstate.integrations.hf import TierstateCallback  # noqa: E402
+from tierstate.integrations.hf import TierstateCallback
 
 
 class Tokens(torch.utils.data.Dataset):

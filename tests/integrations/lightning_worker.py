@@ -30,7 +30,7 @@ class Regression(L.LightningModule):
         print(f"loss {self.global_step} {loss.item().hex()}", flush=True)
         return loss
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5)]
 

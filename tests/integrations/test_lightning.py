@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("lightning")
 
-from tierstate.integrations.lightning import read_pointer  # noqa: E402
-from tierstate.tiers.filesystem import FilesystemTier  # noqa: E402
+from tierstate.integrations.lightning import read_pointer
+from tierstate.tiers.filesystem import FilesystemTier
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def test_sigkilled_run_resumes_from_last_with_the_uninterrupted_losses(tmp_path:
     assert before == {step: uninterrupted[step] for step in before}
 
 
-def _io(tmp_path: Path, **config: object):  # noqa: ANN202
+def _io(tmp_path: Path, **config: object):
     from tierstate.integrations.lightning import TierstateCheckpointIO
 
     return TierstateCheckpointIO({"tiers": {"nvme": {"path": str(tmp_path / "tiers")}}, **config})

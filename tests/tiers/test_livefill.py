@@ -29,7 +29,7 @@ def _weights() -> dict[str, torch.Tensor]:
     }
 
 
-def _saved(make_runner, weights: dict[str, torch.Tensor]) -> Path:  # noqa: ANN001
+def _saved(make_runner, weights: dict[str, torch.Tensor]) -> Path:
     runner = make_runner(chunk_size="1MiB")
     runner.register(model=TensorDictProvider(weights))
     return runner.checkpoint(1).result().path
@@ -53,12 +53,12 @@ def _flip(path: Path, offset: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [False, True], ids=["direct", "staged"])
-def test_read_into_fills_the_live_tensors_themselves_bit_exact(make_runner, stage: bool) -> None:  # noqa: ANN001
+def test_fill_live_fills_the_live_tensors_themselves_bit_exact(make_runner, stage: bool) -> None:
     weights = _weights()
     directory = _saved(make_runner, weights)
     live = _scrambled(weights)
     before = {key: t.data_ptr() for key, t in live.items()}
-    read = StoredCheckpoint(directory, 1).view().read_into(live, stage=stage)
+    read = StoredCheckpoint(directory, 1).view().fill_live(live, stage=stage)
     assert read.fill is not None
     assert all(read.values[key] is live[key] for key in live)  # the live tensors, not copies of them
     assert all(bool((t == 7).all()) for t in live.values())  # verified, nothing read in yet
@@ -68,7 +68,7 @@ def test_read_into_fills_the_live_tensors_themselves_bit_exact(make_runner, stag
     assert {key: t.data_ptr() for key, t in live.items()} == before
 
 
-def test_a_piece_larger_than_the_staging_block_is_staged_block_by_block(make_runner) -> None:  # noqa: ANN001
+def test_a_piece_larger_than_the_staging_block_is_staged_block_by_block(make_runner) -> None:
     from tierstate.tiers.livefill import STAGING
 
     weights = {"huge": torch.randn(9 * STAGING // 4)}  # 9 staging blocks of float32, in 8 MiB frames: 2 per piece
@@ -76,19 +76,19 @@ def test_a_piece_larger_than_the_staging_block_is_staged_block_by_block(make_run
     runner.register(model=TensorDictProvider(weights))
     directory = runner.checkpoint(1).result().path
     live = _scrambled(weights)
-    read = StoredCheckpoint(directory, 1).view().read_into(live, stage=True)
+    read = StoredCheckpoint(directory, 1).view().fill_live(live, stage=True)
     assert read.fill is not None
     read.fill()
     assert torch.equal(live["model/huge"], weights["huge"])
 
 
-def test_a_destination_that_does_not_fit_is_read_into_a_buffer_of_its_own(make_runner) -> None:  # noqa: ANN001
+def test_a_destination_that_does_not_fit_is_read_into_a_buffer_of_its_own(make_runner) -> None:
     weights = _weights()
     directory = _saved(make_runner, weights)
     live = _scrambled(weights)
     live["model/grid"] = torch.full((48, 64), 7.0).t()  # the stored shape, but not contiguous
     live["model/small"] = torch.full((100,), 7, dtype=torch.float64)  # another dtype
-    read = StoredCheckpoint(directory, 1).view().read_into(live)
+    read = StoredCheckpoint(directory, 1).view().fill_live(live)
     assert read.fill is not None
     read.fill()
     for key in ("grid", "small"):
@@ -101,7 +101,7 @@ def test_a_destination_that_does_not_fit_is_read_into_a_buffer_of_its_own(make_r
 
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0], ids=["first-byte", "middle", "last-byte"])
 def test_a_flipped_byte_anywhere_in_a_frame_fails_the_first_pass_with_nothing_written(
-    make_runner,  # noqa: ANN001
+    make_runner,
     where: float,
 ) -> None:
     weights = _weights()
@@ -114,15 +114,15 @@ def test_a_flipped_byte_anywhere_in_a_frame_fails_the_first_pass_with_nothing_wr
     _flip(data, frame.offset + min(int(frame.length * where), frame.length - 1))
     live = _scrambled(weights)
     with pytest.raises(CorruptCheckpointError, match=rf"{data.name} frame {index}: checksum mismatch"):
-        checkpoint.view().read_into(live)
+        checkpoint.view().fill_live(live)
     assert all(bool((t == 7).all()) for t in live.values())
 
 
-def test_a_frame_changed_between_the_passes_fails_the_second(make_runner) -> None:  # noqa: ANN001
+def test_a_frame_changed_between_the_passes_fails_the_second(make_runner) -> None:
     weights = _weights()
     directory = _saved(make_runner, weights)
     checkpoint = StoredCheckpoint(directory, 1)
-    read = checkpoint.view().read_into(_scrambled(weights))
+    read = checkpoint.view().fill_live(_scrambled(weights))
     data = _data_file(directory)
     frame = checkpoint.manifest.files[data.name].frames[-1]
     _flip(data, frame.offset + frame.length // 2)

@@ -103,7 +103,7 @@ def test_two_checkpoints_of_one_step_uploaded_at_once_leave_the_published_one_in
             barrier.wait()
             try:
                 tier.upload(local.step_dir(5), local.manifest(5))
-            except BaseException as exc:  # noqa: BLE001 - judged below
+            except BaseException as exc:  # judged below
                 results[which] = exc
 
         threads = [threading.Thread(target=upload, args=(which,)) for which in (0, 1)]

@@ -56,7 +56,7 @@ class DictSource:
         return contextlib.nullcontext()  # objects in memory: nothing deletes them mid-read
 
 
-def _saved(make_runner) -> Path:  # noqa: ANN001
+def _saved(make_runner) -> Path:
     runner = make_runner()
     weights = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "b": torch.ones(7)}
     weights["tied"] = weights["w"]
@@ -79,7 +79,7 @@ def _in_memory(directory: Path) -> DictSource:
     return DictSource({name: source.read_small(name) for name in source.names()})
 
 
-def test_a_source_that_is_no_directory_reads_the_same_values(make_runner) -> None:  # noqa: ANN001
+def test_a_source_that_is_no_directory_reads_the_same_values(make_runner) -> None:
     directory = _saved(make_runner)
     source = _in_memory(directory)
     assert isinstance(source, ByteSource)
@@ -95,14 +95,14 @@ def test_a_source_that_is_no_directory_reads_the_same_values(make_runner) -> Non
     assert StoredCheckpoint(source).providers() == ["meta", "model"]
 
 
-def test_a_flipped_byte_in_a_source_object_is_a_checksum_error_naming_it(make_runner) -> None:  # noqa: ANN001
+def test_a_flipped_byte_in_a_source_object_is_a_checksum_error_naming_it(make_runner) -> None:
     source = _in_memory(_saved(make_runner))
     data_file = _flip_a_byte_of_frame_0(source)
     with pytest.raises(CorruptCheckpointError, match=f"mem://checkpoint/{data_file} frame 0: checksum mismatch"):
         StoredCheckpoint(source).read()
 
 
-def test_a_truncated_source_object_is_refused_before_reading(make_runner) -> None:  # noqa: ANN001
+def test_a_truncated_source_object_is_refused_before_reading(make_runner) -> None:
     source = _in_memory(_saved(make_runner))
     data_file = next(name for name in source.names() if name.endswith(".data"))
     source.objects[data_file] = source.objects[data_file][:100]
@@ -111,7 +111,7 @@ def test_a_truncated_source_object_is_refused_before_reading(make_runner) -> Non
     assert issubclass(CorruptCheckpointError, StoredCheckpoint.COPY_ERRORS)
 
 
-def test_a_manifest_for_another_step_is_refused(make_runner) -> None:  # noqa: ANN001
+def test_a_manifest_for_another_step_is_refused(make_runner) -> None:
     directory = _saved(make_runner)
     with pytest.raises(ManifestError, match="manifest is for step 5, not step 6"):
         StoredCheckpoint(directory, step=6)
@@ -119,7 +119,7 @@ def test_a_manifest_for_another_step_is_refused(make_runner) -> None:  # noqa: A
         StoredCheckpoint(DictSource({}))
 
 
-def test_locked_holds_the_read_lock_on_a_directory(make_runner) -> None:  # noqa: ANN001
+def test_locked_holds_the_read_lock_on_a_directory(make_runner) -> None:
     from tierstate.tiers.locks import InUseError, exclusive
 
     directory = _saved(make_runner)
@@ -129,7 +129,7 @@ def test_locked_holds_the_read_lock_on_a_directory(make_runner) -> None:  # noqa
             pass
 
 
-def test_verify_names_the_bad_frame_in_a_directory_and_in_another_source_alike(make_runner) -> None:  # noqa: ANN001
+def test_verify_names_the_bad_frame_in_a_directory_and_in_another_source_alike(make_runner) -> None:
     directory = _saved(make_runner)
     assert StoredCheckpoint(directory).verify() == []
     source = _in_memory(directory)

@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser, which guesses what a mistyped command, s3 action or option meant, and remembers
     its options and its subcommands for that."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401 - argparse's own keywords
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # argparse's own keywords
         self.chooser: argparse.Action | None = None  # its subcommands (COMMAND, ACTION), if it has any
         super().__init__(*args, **kwargs)
 
@@ -56,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
         """Its long options, its parents' (the common options) included."""
         return [name for name in self._option_string_actions if name.startswith("--")]
 
-    def add_subparsers(self, **kwargs: Any) -> Any:  # noqa: ANN401 - argparse's private subparsers type
+    def add_subparsers(self, **kwargs: Any) -> Any:  # argparse's private subparsers type
         self.chooser = super().add_subparsers(**kwargs)
         return self.chooser
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..tiers.s3tier import S3Tier
 
 
-def add_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparsers type
+def add_parser(sub: Any) -> None:  # argparse's private subparsers type
     s3 = sub.add_parser("s3", help="checkpoints in an S3 bucket prefix: ls, verify, push, pull, prune, gc")
     actions = s3.add_subparsers(dest="action", required=True, metavar="ACTION")
 

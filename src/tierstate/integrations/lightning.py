@@ -66,8 +66,8 @@ from tierstate import (
     storage_of,
 )
 
+from ..tiers.stored import read_first_clean
 from . import needs_extra
-from .copies import read_first_clean
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
