@@ -23,12 +23,12 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from ..tiers.bucketcmds import BucketPolicies, prune_bucket
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.locks import reading
 from ..tiers.manifest import Manifest
 from ..tiers.nodeparts import files_of_ranks, join_parts
 from ..tiers.objstore import ObjectStore
+from ..tiers.retention import BucketPolicies, prune_bucket
 from ..tiers.s3claim import Claim
 from ..tiers.s3tier import S3Tier, Written
 from .config import PipelineConfig

@@ -46,14 +46,13 @@ from typing import TYPE_CHECKING, Any
 
 from tierstate.errors import TierstateError
 
-from ..tiers.bucketcmds import BucketPolicies, prune_bucket
 from ..tiers.due import FlushEdge
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.locks import InUseError, claim_tier
 from ..tiers.migrate import MigrateReport
 from ..tiers.pacing import Pacer
 from ..tiers.pending import PendingFlush, give_up_if_damaged, note_received, pending_flushes
-from ..tiers.retention import TierPolicies, collect_garbage, prune
+from ..tiers.retention import BucketPolicies, TierPolicies, collect_garbage, prune, prune_bucket
 from ..tiers.s3tier import S3Tier
 from ..tiers.tier import Tier
 from ..tiers.transfer import transfer

@@ -1,46 +1,20 @@
-"""The ``tierstate`` commands on a bucket tier (``s3://bucket/prefix``): ls, verify, migrate, prune, gc.
+"""What ``ls`` and ``gc`` say of a bucket tier (``s3://bucket/prefix``), in the shapes they say it of a directory.
 
-Each returns the result types of :mod:`tiers.commands` (ls entries, :class:`~tiers.verify.VerifyResult`,
-:class:`~tiers.migrate.MigrateReport`, retention :class:`~tiers.retention.Decision` and
-:class:`~tiers.retention.Leftover`), so the command line renders a bucket's results next to a
-directory tier's, and a script reading ``--json`` sees one shape. Reading goes through the read
-object (:class:`~tiers.stored.StoredCheckpoint` and :func:`~tiers.integrity.verify_source` over a
-:class:`~tiers.s3tier.BucketSource`): the frames of a bucket are checked by the code that checks a
-directory's. Copies to and from a bucket are :mod:`tiers.transfer`'s.
+Everything else the commands do to a bucket goes through the one tier interface (tiers/tier.py):
+verify and inspect read it through the read object, migrate copies through :mod:`tiers.transfer`,
+prune applies :func:`tiers.retention.prune_bucket`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from .catalog import summary
 from .format import ManifestError
-from .names import STEP_PREFIX, step_name
-from .policy import FlushPolicy, RetentionPolicy
-from .retention import Decision, Leftover
-from .s3tier import S3Tier, step_of_object
-
-
-@dataclass(frozen=True)
-class BucketPolicies:
-    """A bucket tier with the retention its YAML section (or ``--keep-last``) gives it, and its flush."""
-
-    tier: S3Tier
-    retention: RetentionPolicy = RetentionPolicy()
-    flush: FlushPolicy | None = None
-
-
-def _step_bytes(tier: S3Tier) -> dict[int, tuple[int, datetime]]:
-    """Per step with objects under its prefix: their total size and the newest one's time."""
-    found: dict[int, tuple[int, datetime]] = {}
-    for obj in tier.store.list(STEP_PREFIX):
-        step = step_of_object(obj.name)
-        if step is not None:
-            size, newest = found.get(step, (0, obj.modified))
-            found[step] = (size + obj.size, max(newest, obj.modified))
-    return found
+from .names import step_name
+from .retention import Leftover
+from .s3tier import S3Tier
 
 
 # --- ls -------------------------------------------------------------------------------------------
@@ -55,7 +29,7 @@ def bucket_entries(tier: S3Tier) -> list[dict[str, Any]]:
         except ManifestError as exc:
             entries.append({"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)})
     now = datetime.now(UTC)
-    for step, (size, newest) in sorted(_step_bytes(tier).items()):
+    for step, (size, newest) in sorted(tier.step_bytes().items()):
         if step not in steps:
             age = round((now - newest).total_seconds(), 1)
             entry = {"tier": tier.name, "step": step_name(step), "state": "partial", "stored_bytes": size, "age_s": age}
@@ -64,21 +38,6 @@ def bucket_entries(tier: S3Tier) -> list[dict[str, Any]]:
 
 
 # --- prune and gc ---------------------------------------------------------------------------------
-def prune_bucket(policies: BucketPolicies, dry_run: bool) -> tuple[list[Decision], dict[tuple[str, int], int]]:
-    """Apply the bucket's retention (manifest first, so a step stops being a checkpoint at once); the
-    decision per step and each step's bytes in the bucket."""
-    tier, retention = policies.tier, policies.retention
-    steps = tier.steps()
-    sizes = {(tier.name, step): size for step, (size, _) in _step_bytes(tier).items() if step in steps}
-    decisions = []
-    for step in steps:
-        reason = retention.keeps(step, steps)
-        if reason is None and not dry_run:
-            tier.delete_step(step)
-        decisions.append(Decision(tier.name, step, reason is None, reason or f"not kept by {retention.describe()}"))
-    return decisions, sizes
-
-
 def bucket_garbage(tier: S3Tier, older_than: float, dry_run: bool) -> list[Leftover]:
     """:meth:`S3Tier.collect_garbage` as the gc command's leftovers."""
     found = tier.collect_garbage(older_than, dry_run=dry_run)

@@ -21,7 +21,6 @@ from typing import Any, cast
 
 from tierstate.errors import TierstateError
 
-from .bucketcmds import BucketPolicies, prune_bucket
 from .catalog import copy_state, invalid_entries, item_rows, leftover_entries, summary
 from .convert import Format
 from .export import ExportFormat, ExportReport, export
@@ -32,7 +31,7 @@ from .locks import InUseError
 from .migrate import MigrateReport
 from .pacing import Pacer
 from .peers import peer_copies
-from .retention import Decision, TierPolicies, graph_of, prune
+from .retention import BucketPolicies, Decision, TierPolicies, graph_of, prune, prune_bucket
 from .source import ByteSource
 from .stored import StoredCheckpoint, read_first_clean
 from .tier import Tier

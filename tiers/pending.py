@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .bucketcmds import BucketPolicies
 from .due import FlushGraph, copies_of, fed_by, holdings, record_receipt, record_unflushable
 from .filesystem import FilesystemTier
 from .format import ManifestError
@@ -34,7 +33,7 @@ from .locks import claim_tier
 from .migrate import MigrateReport
 from .pacing import Pacer
 from .pieces import CorruptCheckpointError
-from .retention import Decision, TierPolicies, collect_garbage, graph_of, prune
+from .retention import BucketPolicies, Decision, TierPolicies, collect_garbage, graph_of, prune
 from .tier import Tier
 from .transfer import transfer
 from .verify import verify_step

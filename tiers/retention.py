@@ -45,6 +45,7 @@ from .due import FlushGraph, StepCopies, copies_of, fed_by, holdings
 from .filesystem import DELETING_SUFFIX, PARTIAL_SUFFIX, FilesystemTier, InvalidEntry
 from .locks import InUseError, exclusive
 from .policy import FlushPolicy, RetentionPolicy
+from .s3tier import S3Tier
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,30 @@ class Decision:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class BucketPolicies:
+    """A bucket tier with the retention its YAML section (or ``--keep-last``) gives it, and its flush."""
+
+    tier: S3Tier
+    retention: RetentionPolicy = RetentionPolicy()
+    flush: FlushPolicy | None = None
+
+
+def prune_bucket(policies: BucketPolicies, dry_run: bool) -> tuple[list[Decision], dict[tuple[str, int], int]]:
+    """Apply the bucket's retention (manifest first, so a step stops being a checkpoint at once); the
+    decision per step and each step's bytes in the bucket."""
+    tier, retention = policies.tier, policies.retention
+    steps = tier.steps()
+    sizes = {(tier.name, step): size for step, (size, _) in tier.step_bytes().items() if step in steps}
+    decisions = []
+    for step in steps:
+        reason = retention.keeps(step, steps)
+        if reason is None and not dry_run:
+            tier.delete_step(step)
+        decisions.append(Decision(tier.name, step, reason is None, reason or f"not kept by {retention.describe()}"))
+    return decisions, sizes
 
 
 def graph_of(tiers: Sequence[TierPolicies], buckets: Sequence[tuple[str, FlushPolicy | None]] = ()) -> FlushGraph:

@@ -402,6 +402,16 @@ class S3Tier:
         self.store.delete([prefix + MANIFEST_NAME])
         self.store.delete([o.name for o in self.store.list(prefix)])
 
+    def step_bytes(self) -> dict[int, tuple[int, datetime]]:
+        """Per step with objects under its prefix: their total size and the newest one's time (one listing)."""
+        found: dict[int, tuple[int, datetime]] = {}
+        for obj in self.store.list(STEP_PREFIX):
+            step = step_of_object(obj.name)
+            if step is not None:
+                size, newest = found.get(step, (0, obj.modified))
+                found[step] = (size + obj.size, max(newest, obj.modified))
+        return found
+
     def incomplete_steps(self) -> set[int]:
         """Steps with objects under their prefix and no manifest: not checkpoints (a writer at work, or
         one that was killed)."""

@@ -28,13 +28,12 @@ from ..pipeline.config import load_config, parse_tiers
 from ..pipeline.config_schema import TierConfig
 from ..pipeline.packaged import packaged_configs
 from ..suggest import did_you_mean
-from ..tiers.bucketcmds import BucketPolicies
 from ..tiers.commands import UsageError
 from ..tiers.filesystem import FilesystemTier
 from ..tiers.nodes import as_node
 from ..tiers.objstore import ObjectStore
 from ..tiers.policy import FlushPolicy, RetentionPolicy
-from ..tiers.retention import TierPolicies
+from ..tiers.retention import BucketPolicies, TierPolicies
 from ..tiers.s3tier import S3Tier
 from ..tiers.s3url import endpoint_problem
 
