@@ -5,7 +5,7 @@ weights have moved off their init and the moments hold real gradient statistics.
 
 1. Codec table: each kind of tensor (fp32 weights, the same weights as bf16 and fp16, exp_avg,
    exp_avg_sq) is packed into 16 MiB chunks as the pipeline does and compressed chunk by chunk with
-   ``tiers.codecs.compress``: ratio and single-thread throughput, byte-shuffle by element size
+   ``tiers.format.codecs.compress``: ratio and single-thread throughput, byte-shuffle by element size
    (``shuffle: auto``) vs none, zstd levels 1 and 3.
 2. End to end through the runner, interleaved: time to durable with ``codec: none`` vs ``zstd`` on
    a tier throttled to 100 MB/s (``persist.bandwidth: 100MB``, a share of a slow or shared file
@@ -34,7 +34,7 @@ from harness.tierstate_checkpointer import cache_for
 from harness.timing import time_save, warm_up
 from harness.units import MiB, fmt_bytes, fmt_ratio, fmt_s, gbps, parse_size
 
-from tierstate.tiers import codecs
+from tierstate.tiers.format import codecs
 
 CHUNK = 16 * MiB
 

@@ -36,7 +36,7 @@ from harness.thread_cpu import cpu_by_thread, cpu_delta_by_name
 from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
 from harness.units import GB, MiB, fmt_bytes, fmt_ratio, fmt_s, parse_size
 
-from tierstate.tiers.format import checksum  # measured on purpose: the checksum every frame gets
+from tierstate.tiers.format.format import checksum  # measured on purpose: the checksum every frame gets
 
 
 def measured(work: Callable[[], object]) -> tuple[float, dict[str, float]]:

@@ -31,8 +31,8 @@ from harness.stats import interleave, median
 from harness.units import fmt_bytes, fmt_s, gbps, parse_size
 
 from tierstate import Runner
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.migrate import migrate
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 METHODS = ["cp -r", "cp -r + sync", "tierstate migrate", "tierstate migrate --format hdf5"]
 

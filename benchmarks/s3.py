@@ -87,9 +87,9 @@ def main() -> None:
 
     from tierstate import Runner
     from tierstate.providers import TensorDictProvider
-    from tierstate.tiers.filesystem import FilesystemTier
-    from tierstate.tiers.objstore import ObjectStore
-    from tierstate.tiers.s3tier import S3Tier
+    from tierstate.tiers.storage.filesystem import FilesystemTier
+    from tierstate.tiers.storage.objstore import ObjectStore
+    from tierstate.tiers.storage.s3tier import S3Tier
 
     size = int(args.size.removesuffix("MiB")) * MiB
     part = args.part * MiB

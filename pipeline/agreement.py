@@ -27,9 +27,9 @@ from typing import Any, cast
 
 from ..providers.base import RankLocal, RestoreError
 from ..providers.composite import CompositeProvider
-from ..tiers.filesystem import FilesystemTier, TierError
-from ..tiers.gcpause import gc_paused
-from ..tiers.s3tier import S3Tier
+from ..tiers.format.gcpause import gc_paused
+from ..tiers.storage.filesystem import FilesystemTier, TierError
+from ..tiers.storage.s3tier import S3Tier
 from .collective_read import CollectiveRead
 from .restore import (
     Copy,

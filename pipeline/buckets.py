@@ -3,7 +3,7 @@
 Each bucket is built and checked when the runner is built (:meth:`ObjectStore.check`), so missing or
 refused credentials and a missing bucket fail there, naming the tier, and not at the first flush.
 A bucket with a ``flush`` policy is a flush target like a directory (pipeline/flush.py, the rule in
-tiers/due.py): its copies, receipts, retries and reports are the flusher's.
+tiers/ops/due.py): its copies, receipts, retries and reports are the flusher's.
 
 Restore reads a bucket's copy of a step in place, as the last of a rank's copies (pipeline/agreement.py:
 parallel ranged GETs, every frame verified), whether one rank restores or many.
@@ -23,14 +23,14 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.locks import reading
-from ..tiers.manifest import Manifest
-from ..tiers.nodeparts import files_of_ranks, join_parts
-from ..tiers.objstore import ObjectStore
-from ..tiers.retention import BucketPolicies, prune_bucket
-from ..tiers.s3claim import Claim
-from ..tiers.s3tier import S3Tier, Written
+from ..tiers.format.manifest import Manifest
+from ..tiers.ops.retention import BucketPolicies, prune_bucket
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.locks import reading
+from ..tiers.storage.nodeparts import files_of_ranks, join_parts
+from ..tiers.storage.objstore import ObjectStore
+from ..tiers.storage.s3claim import Claim
+from ..tiers.storage.s3tier import S3Tier, Written
 from .config import PipelineConfig
 from .distributed import CheckpointAborted, CheckpointGroup
 

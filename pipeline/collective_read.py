@@ -15,12 +15,12 @@ Why split-then-broadcast rather than one reader per node: the reads, checksums a
 shared bytes are spread over every rank (as the writes were), and the node's storage sees each
 byte once either way. Objects (small Python values) are read by every rank that needs them.
 
-A node's part of a checkpoint (on a node-scoped tier, see :mod:`tiers.nodeparts`) holds only the
+A node's part of a checkpoint (on a node-scoped tier, see :mod:`tiers.storage.nodeparts`) holds only the
 files of that node's ranks, so there the shared regions and objects are read where their file is
 (by the rank that wrote them, with the world size of the save) and sent over the whole group.
 
 A rank alone (pipeline/solo.py) has nothing to share out: it reads the whole copy, straight into
-the live tensors where they fit (tiers/livefill.py), a bucket's copy where it is.
+the live tensors where they fit (tiers/reading/livefill.py), a bucket's copy where it is.
 """
 
 from __future__ import annotations
@@ -37,9 +37,16 @@ import torch
 from ..providers.base import RankLocal, RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..tiers.boxes import Box
-from ..tiers.dtypes import dtype_from_name
-from ..tiers.stored import CorruptCheckpointError, Location, MissingItemError, RankView, Region, StoredCheckpoint
+from ..tiers.format.dtypes import dtype_from_name
+from ..tiers.reading.boxes import Box
+from ..tiers.reading.stored import (
+    CorruptCheckpointError,
+    Location,
+    MissingItemError,
+    RankView,
+    Region,
+    StoredCheckpoint,
+)
 from .assign import balance
 from .restore import Copy, fresh_read, require_providers
 from .solo import RestoreGroup

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import ManifestBody
+from ..tiers.format.format import ManifestBody
+from ..tiers.storage.filesystem import FilesystemTier
 from .plan import CheckpointPlan
 
 

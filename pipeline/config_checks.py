@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..tiers.hdf5_extra import HDF5_NEEDS_H5PY
+from ..tiers.format.hdf5_extra import HDF5_NEEDS_H5PY
 from .config_schema import ConfigSchema, PersistStage
 from .stage_graph import chain_problems
 
@@ -71,7 +71,7 @@ def _tier_format_problems(config: ConfigSchema) -> list[tuple[str, str]]:
 
 
 def _flush_problems(config: ConfigSchema) -> list[tuple[str, str]]:
-    """The flush graph goes from faster to slower tiers (tiers/due.py): each ``from`` names a directory tier
+    """The flush graph goes from faster to slower tiers (tiers/ops/due.py): each ``from`` names a directory tier
     listed before its target that receives checkpoints itself; a bucket is the last hop, and the persist
     bucket is published to, never flushed to."""
     problems = []

@@ -33,10 +33,9 @@ from pydantic import (
     model_validator,
 )
 
-from ..tiers.due import FlushGraph
-from ..tiers.nodes import expand_node
-from ..tiers.policy import FlushPolicy, RetentionPolicy
-from ..tiers.s3url import endpoint_problem, s3_url_problem
+from ..tiers.ops.policy import FlushGraph, FlushPolicy, RetentionPolicy
+from ..tiers.storage.nodes import expand_node
+from ..tiers.storage.s3url import endpoint_problem, s3_url_problem
 from .config_errors import ConfigError, read_yaml
 from .packaged import DEFAULT_NAME, packaged_config
 
@@ -105,9 +104,9 @@ class TierConfig(_Strict):
     """One durable filesystem tier (local NVMe, a parallel file system mount, any directory).
 
     ``retention`` says which checkpoints it keeps; ``flush`` makes it receive background copies of
-    the checkpoints the persist tier commits (see tiers/policy.py). ``scope: node``: each node has its
+    the checkpoints the persist tier commits (see tiers/ops/policy.py). ``scope: node``: each node has its
     own directory (local NVMe, memory), holding only its ranks' files; ``{node}`` in the path stands
-    for the node's name (tiers/nodes.py). ``shared``: one directory every rank sees (PFS).
+    for the node's name (tiers/storage/nodes.py). ``shared``: one directory every rank sees (PFS).
 
     ``kind: memory``: a directory in host shared memory (a tmpfs such as ``/dev/shm``), whose
     checkpoints outlive the training process (not the node) so a restart restores from RAM. It is
@@ -167,7 +166,7 @@ class S3TierConfig(_Strict):
     ``url`` is ``s3://bucket/prefix``; ``endpoint_url`` a server other than AWS's (MinIO, a local
     one); credentials come from the standard AWS chain (environment, profile, instance role), never
     from the YAML. It receives flushes (``flush``, as a directory tier does) and keeps what
-    ``retention`` says; it is read when no local tier holds a checkpoint (tiers/s3tier.py).
+    ``retention`` says; it is read when no local tier holds a checkpoint (tiers/storage/s3tier.py).
 
     As the persist stage's tier, each checkpoint is written to ``staging`` (a local directory, kept
     as a tier named ``<name>-staging`` with ``keep_last: 1`` and scope ``staging_scope``: ``node``
@@ -253,7 +252,7 @@ class PersistStage(StageBase):
     # auto: raw slabs are written with O_DIRECT where the file system allows it (no page-cache copy);
     # buffered: always through the page cache (for file systems whose O_DIRECT path is slow).
     io: Literal["auto", "buffered"] = "auto"
-    # frames: the tierstate data file; hdf5: an HDF5 file per rank, one dataset per tensor (tiers/hdf5.py).
+    # frames: the tierstate data file; hdf5: an HDF5 file per rank, one dataset per tensor (tiers/format/hdf5.py).
     format: Literal["frames", "hdf5"] = "frames"
 
 
@@ -466,7 +465,7 @@ class ConfigSchema(_Strict):
         return next((stage for _, stage in self.chain() if stage.kind == kind), None)
 
     def flush_graph(self) -> FlushGraph:
-        """What is due where (tiers/due.py): the flush edges of the tiers and buckets. The persist bucket
+        """What is due where (tiers/ops/due.py): the flush edges of the tiers and buckets. The persist bucket
         is published to by the checkpoint itself, never flushed to."""
         flushes = [(name, tier.flush) for name, tier in self.tiers.items()]
         flushes += [(name, b.flush) for name, b in self.buckets.items() if name != self.persist_bucket]

@@ -35,13 +35,13 @@ import torch.distributed as dist
 from tierstate.errors import TierstateError
 
 from ..providers.items import ObjectItem, TensorItem
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import ManifestBody
-from ..tiers.manifest import Manifest
-from ..tiers.multirank import RankPart, merge_parts
-from ..tiers.nodeparts import node_part
-from ..tiers.nodes import node_name
-from ..tiers.safeopen import check_regular
+from ..tiers.format.format import ManifestBody
+from ..tiers.format.manifest import Manifest
+from ..tiers.format.multirank import RankPart, merge_parts
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.nodeparts import node_part
+from ..tiers.storage.nodes import node_name
+from ..tiers.storage.safeopen import check_regular
 from .assign import balance
 from .plan import CheckpointPlan, plan_checkpoint
 
@@ -74,7 +74,7 @@ def wanted_group(distributed: bool | None) -> bool:
 class CheckpointGroup:
     """The runner's own gloo group over all ranks, plus one per node for restore's exchange.
 
-    Nodes are told apart by :func:`tiers.nodes.node_name` (the hostname, or ``TIERSTATE_NODE``).
+    Nodes are told apart by :func:`tiers.storage.nodes.node_name` (the hostname, or ``TIERSTATE_NODE``).
     Created collectively (every rank must construct its runner at the same point of the program).
     """
 
@@ -205,7 +205,7 @@ class DistributedCommit:
         """``declined``: why this rank cannot take part (its state failed to describe); it still
         joins the opening, so that every rank gives the step up instead of waiting for this one.
         ``node_scoped``: ``tier`` is this node's own directory; each node's leader opens and commits
-        its node's part (tiers/nodeparts.py), and the step exists once every node committed its part."""
+        its node's part (tiers/storage/nodeparts.py), and the step exists once every node committed its part."""
         self.group = group
         self.tier = tier
         self.chunk_size = chunk_size

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..tiers.hostcache import HostCache
+from ..tiers.storage.hostcache import HostCache
 from .config import PipelineConfig
 from .stages.capture import SlabCopier
 

@@ -1,22 +1,22 @@
 """Background flush and retention: after each commit, copy the checkpoint on and prune the tiers.
 
-Once a checkpoint commits on the persist tier (NVMe), it goes on along the flush graph (tiers/due.py):
+Once a checkpoint commits on the persist tier (NVMe), it goes on along the flush graph (tiers/ops/due.py):
 every tier whose ``flush`` comes from the persist tier and selects its step (the PFS, a bucket) gets a
 copy, and once published there, every tier whose flush comes from that one (``from: pfs``), and so on.
-A copy is :func:`tiers.transfer.transfer`, the same code as ``tierstate migrate``: to a directory frame
+A copy is :func:`tiers.ops.transfer.transfer`, the same code as ``tierstate migrate``: to a directory frame
 by frame, every checksum verified on the target, published with the commit protocol; to a bucket
 verified in the source, uploaded, the manifest last with a conditional put. Once published, its
 receipt goes into every local copy of the step, and the handle's future of that tier resolves.
 Copies run on the runner's loop as tasks, at most ``flush.workers`` per target tier at a time, paced
 to ``flush.bandwidth`` bytes/s shared by them, in a thread pool of their own so they never hold up
 the next checkpoint's writes. After each commit and each flush, retention
-(:func:`tiers.retention.prune`) applies every tier's ``retention`` policy (a bucket's own after a
+(:func:`tiers.ops.retention.prune`) applies every tier's ``retention`` policy (a bucket's own after a
 flush to it); it never deletes the copy that feeds a tier the checkpoint is still due on, so a
 pending or failed flush keeps its NVMe copy.
 
 With many ranks and a node-scoped persist tier (each node its own NVMe), every node's leader copies
 its node's part; the global checkpoint appears on the shared tier once the last part is there
-(:mod:`tiers.nodeparts`), and every rank waits for that before its handle says ``persisted``.
+(:mod:`tiers.storage.nodeparts`), and every rank waits for that before its handle says ``persisted``.
 
 A copy that fails with a transient error (EIO, ENOSPC, a timeout) is tried again, ``flush.retries``
 times, after ``flush.backoff`` seconds and twice as long each next time; being resumable, a retry
@@ -25,7 +25,7 @@ training loop: it is logged, recorded on the handle (``flush_errors``, and its t
 in ``failures``, each saying that its source copy stays pinned (retention keeps it until the
 tier receives it); ``drain`` (called by ``runner.close()``) waits for every flush and reports them all.
 A flush that fails because its source copy is damaged (confirmed by a verification) is noted
-unflushable instead (:mod:`tiers.pending`): reported once, and retention may then free that copy.
+unflushable instead (:mod:`tiers.ops.pending`): reported once, and retention may then free that copy.
 
 A runner that starts on tiers where a crash left committed steps due on a later tier and not there
 resumes those flushes (``resume``, called once by the runner): in the background, oldest first, each
@@ -46,16 +46,16 @@ from typing import TYPE_CHECKING, Any
 
 from tierstate.errors import TierstateError
 
-from ..tiers.due import FlushEdge
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.locks import InUseError, claim_tier
-from ..tiers.migrate import MigrateReport
-from ..tiers.pacing import Pacer
-from ..tiers.pending import PendingFlush, give_up_if_damaged, note_received, pending_flushes
-from ..tiers.retention import BucketPolicies, TierPolicies, collect_garbage, prune, prune_bucket
-from ..tiers.s3tier import S3Tier
-from ..tiers.tier import Tier
-from ..tiers.transfer import transfer
+from ..tiers.ops.migrate import MigrateReport
+from ..tiers.ops.pacing import Pacer
+from ..tiers.ops.pending import PendingFlush, give_up_if_damaged, note_received, pending_flushes
+from ..tiers.ops.policy import FlushEdge
+from ..tiers.ops.retention import BucketPolicies, TierPolicies, collect_garbage, prune, prune_bucket
+from ..tiers.ops.transfer import transfer
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.locks import InUseError, claim_tier
+from ..tiers.storage.s3tier import S3Tier
+from ..tiers.storage.tier import Tier
 from .config import PipelineConfig
 from .handle import HandleCompleter
 from .retry import RetryPolicy, transient
@@ -245,7 +245,7 @@ class Flusher:
 
     async def _received(self, step: int, target: _Target, source: FilesystemTier) -> None:
         """``target`` published ``step`` (the whole checkpoint, not only this node's part): its receipt goes
-        into every local copy of the step upstream of it (tiers/due.py)."""
+        into every local copy of the step upstream of it (tiers/ops/due.py)."""
         received = functools.partial(note_received, graph=self._graph)
         await run_blocking(self._pool, received, self._tiers, step, target.tier.name, source)
 

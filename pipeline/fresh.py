@@ -5,7 +5,7 @@ a plain loop) on such tiers mixes with the old run without a word: its steps col
 ones and, after a crash before it passes the old run's newest step, a resume finds the *old* run.
 So a fresh start is explicit: with nothing on the tiers it is free; otherwise it either fails up
 front (:class:`ExistingCheckpointsError`, naming tiers and steps) or, asked to, renames the old
-run's checkpoints aside (tiers/setaside.py) so the new run is the one ``latest`` finds.
+run's checkpoints aside (tiers/ops/setaside.py) so the new run is the one ``latest`` finds.
 Collective with many ranks: every rank decides alike from what all of them see.
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 from tierstate.errors import TierstateError
 
-from ..tiers.filesystem import FilesystemTier, TierError
-from ..tiers.s3tier import S3Tier
-from ..tiers.setaside import SET_ASIDE_PREFIX, holdings, set_aside
+from ..tiers.ops.setaside import SET_ASIDE_PREFIX, holdings, set_aside
+from ..tiers.storage.filesystem import FilesystemTier, TierError
+from ..tiers.storage.s3tier import S3Tier
 from .distributed import CheckpointGroup
 
 

@@ -1,7 +1,7 @@
 """One open runner per tier directory in a process, the second refused when it is built.
 
 Two runners of one process writing one tier (a notebook cell that builds the runner, run twice) would
-commit over each other. The tier's writer lock (tiers/locks.py) refuses the second runner's tier, but
+commit over each other. The tier's writer lock (tiers/storage/locks.py) refuses the second runner's tier, but
 only once it writes there: at its first checkpoint, in the background, as a failed handle. So the
 runner registers the tiers it writes here when it is built, and a second runner on one of them is
 refused then, naming the first (where it was built) and how to let it go: ``close()``. A closed runner
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
-from ..tiers.filesystem import TierInUseError
+from ..tiers.storage.filesystem import TierInUseError
 
 
 class Holder(Protocol):

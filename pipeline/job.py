@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.hostcache import HostCache
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.hostcache import HostCache
 from .commit import Commit, TierCommit
 from .config import PipelineConfig
 from .config_schema import CaptureStage, CompressStage, PersistStage, SerializeStage, StageConfig

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..tiers.rankstats import MAX_TIMELINE
+from ..tiers.format.rankstats import MAX_TIMELINE
 from .laziness import EagerSnapshot
 
 Outcome = Literal["in flight", "durable", "failed", "skipped"]
@@ -31,7 +31,7 @@ class Timeline:
     """Intervals of one checkpoint on this rank (monotonic seconds), for ``tierstate stats --trace``: each
     stage's work on a unit and each unit passed through it (by worker thread), waits for a host-cache
     slab, the trainer's blocked calls and waits. Appends come from the stage threads without a lock
-    (``list.append`` is atomic); past :data:`~tiers.rankstats.MAX_TIMELINE` events the rest are dropped."""
+    (``list.append`` is atomic); past :data:`~tiers.format.rankstats.MAX_TIMELINE` events the rest are dropped."""
 
     def __init__(self) -> None:
         self.origin = time.monotonic()  # the request
@@ -182,7 +182,7 @@ class CheckpointStats:
         return {f"{prefix}{name}": value for name, value in figures.items()}
 
     def manifest_body(self) -> dict[str, Any]:
-        """This rank's record in the manifest's ``stats`` (tiers/rankstats.py: ``RankStatsRecord``), JSON
+        """This rank's record in the manifest's ``stats`` (tiers/format/rankstats.py: ``RankStatsRecord``), JSON
         form; written before the commit, so without the seconds to durable."""
         return {
             "raw_bytes": self.raw_bytes,

@@ -1,6 +1,6 @@
 """Peer copies over the network: each node's part sent to its partner, and sent back to a replaced node.
 
-``replicas: 1`` on a node-scoped tier (see :mod:`tiers.peers` for where copies live). After a step's
+``replicas: 1`` on a node-scoped tier (see :mod:`tiers.storage.peers` for where copies live). After a step's
 part is on that tier on every node (committed there, or flushed there), each node's leader sends its
 part's files to its partner node's leader, which verifies and publishes them as a peer copy and
 applies the tier's retention to its peer copies. Before a restore, a node that lacks the newest step
@@ -43,11 +43,11 @@ import torch.distributed as dist
 
 from tierstate.errors import TierstateError
 
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.locks import reading
-from ..tiers.pacing import Pacer
-from ..tiers.peers import ReceivedPart, kept_for, open_part_file, part_files, partner_of, returned_from
-from ..tiers.retention import TierPolicies, prune
+from ..tiers.ops.pacing import Pacer
+from ..tiers.ops.retention import TierPolicies, prune
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.locks import reading
+from ..tiers.storage.peers import ReceivedPart, kept_for, open_part_file, part_files, partner_of, returned_from
 from .config import PipelineConfig
 from .distributed import CheckpointGroup
 from .flush import FlushFailure

@@ -14,8 +14,8 @@ import torch
 
 from ..providers.dtensor import storage_of
 from ..providers.items import ObjectItem, TensorItem
-from ..tiers.container import TensorLayout
-from ..tiers.dtypes import dtype_name
+from ..tiers.format.container import TensorLayout
+from ..tiers.format.dtypes import dtype_name
 from .units import ChunkPlan, TensorPiece
 
 ITEM_ALIGN = 64

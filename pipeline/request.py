@@ -21,8 +21,8 @@ from tierstate.errors import TierstateError
 
 from ..providers.base import StateProvider, shown
 from ..providers.items import TensorItem
-from ..tiers.filesystem import CheckpointExistsError, FilesystemTier
-from ..tiers.strict import MAX_BYTES
+from ..tiers.format.strict import MAX_BYTES
+from ..tiers.storage.filesystem import CheckpointExistsError, FilesystemTier
 from .laziness import CaptureRules, EagerSnapshot, VersionWatch, changed_keys, fingerprints
 from .plan import CheckpointPlan, plan_checkpoint
 from .plan_cache import PlanCache, Resolve

@@ -21,9 +21,9 @@ from tierstate.errors import TierstateError
 from ..providers.base import ReadState, RestoreError
 from ..providers.composite import CompositeProvider
 from ..providers.dtensor import storage_of
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.stored import Location, StoredCheckpoint
-from ..tiers.tier import Tier
+from ..tiers.reading.stored import Location, StoredCheckpoint
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.tier import Tier
 
 log = logging.getLogger("tierstate")
 

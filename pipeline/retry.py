@@ -2,11 +2,11 @@
 
 A bare ``OSError: [Errno 5] Input/output error`` from an fsync says neither which tier nor which
 file, so every storage call of a checkpoint goes through :func:`storage_call`, which turns an
-OSError into a :class:`~tiers.filesystem.TierError` that keeps the errno and names the operation
+OSError into a :class:`~tiers.storage.filesystem.TierError` that keeps the errno and names the operation
 (and where in the file, when the writer added that as a note to the error).
 
 Only writes that put all their bytes at a fixed place again are retried (a chunk written again
-goes to the frames it was given the first time, see :mod:`tiers.container`; the index goes via a
+goes to the frames it was given the first time, see :mod:`tiers.format.container`; the index goes via a
 temporary file and a rename): repeating them cannot leave a mix of old and new bytes. An fsync
 or the commit is never retried: after a failed fsync Linux may mark the lost pages clean, so a
 second fsync can succeed although the data never reached the disk; the checkpoint fails instead
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..tiers.filesystem import TierError
+from ..tiers.storage.filesystem import TierError
 from .units import run_blocking
 
 T = TypeVar("T")

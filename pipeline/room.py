@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pydantic import ByteSize
 
-from ..tiers.filesystem import FilesystemTier, TierError
+from ..tiers.storage.filesystem import FilesystemTier, TierError
 from .config_schema import TierConfig
 from .units import run_blocking
 

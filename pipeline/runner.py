@@ -28,8 +28,8 @@ import torch
 from ..providers.base import OwnsOptimizer
 from ..providers.composite import CompositeProvider
 from ..providers.items import TensorItem
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.s3tier import S3Tier
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.s3tier import S3Tier
 from .aftercommit import AfterCommit
 from .agreement import newest_held, restore_checkpoint
 from .buckets import Buckets

@@ -11,7 +11,7 @@ the runner writes (the persist tier, a tier with ``flush``, a tier whose ``reten
   never at the top of the file system: ``/lustre/run7`` with ``/lustre`` absent is an unmounted
   file system or a typo, and creating it would put the checkpoints on the wrong disk;
 * a path that is a file, or under one, is an error;
-* a path in another user's hands (tiers/ownership.py: a symlink they own, a tier directory they
+* a path in another user's hands (tiers/storage/ownership.py: a symlink they own, a tier directory they
   own, a world-writable directory without the sticky bit) is refused, as ssh's StrictModes does.
 
 A tier the runner only reads (restore from a read-only archive) need not be writable nor exist,
@@ -31,8 +31,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..tiers.filesystem import TierError
-from ..tiers.ownership import ownership_problem
+from ..tiers.storage.filesystem import TierError
+from ..tiers.storage.ownership import ownership_problem
 from .config import PipelineConfig
 
 log = logging.getLogger("tierstate")

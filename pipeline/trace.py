@@ -17,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from ..tiers.manifest import Manifest
+from ..tiers.format.manifest import Manifest
 
 P = ParamSpec("P")
 R = TypeVar("R")

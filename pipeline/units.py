@@ -4,7 +4,7 @@ A checkpoint enters the stages (pipeline/stages/) as one :class:`ObjectBatch` (i
 Python objects) and one :class:`ChunkPlan` per chunk of tensor bytes. Capture turns each plan into a
 :class:`Chunk` held in a host-cache slab; serialize turns the object batch into a chunk of encoded
 bytes; compress may replace a chunk's stored bytes; persist hands it to the data file's container.
-:class:`Chunk` and :class:`ChunkEntry` are defined where containers take them (:mod:`tiers.container`).
+:class:`Chunk` and :class:`ChunkEntry` are defined where containers take them (:mod:`tiers.format.container`).
 A :class:`Stage` takes any unit: what it has nothing to do on goes past it (lanes.py), so each stage
 says which units are its work and hands on what it made of them.
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from ..providers.items import ObjectItem, TensorItem
-from ..tiers.container import Chunk, ChunkEntry
+from ..tiers.format.container import Chunk, ChunkEntry
 
 __all__ = [
     "Chunk", "ChunkEntry", "ChunkPlan", "CopyProgram", "EagerSources", "ObjectBatch", "Stage", "TensorPiece",

@@ -160,7 +160,7 @@ class ReadState(Mapping[str, Any]):
     ) -> None:
         self._values = values
         self.fresh = frozenset(fresh)
-        # Reading still to be done into live tensors given among the values (tiers/livefill.py: verified,
+        # Reading still to be done into live tensors given among the values (tiers/reading/livefill.py: verified,
         # not read in yet): a restore runs it after the providers without check, before the checked ones.
         self.fill = fill
 

@@ -102,7 +102,7 @@ class CompositeProvider:
 
     def restore_destinations(self) -> dict[str, torch.Tensor]:
         """The live tensors of the checked providers, by item key: where a restore may read the stored
-        bytes straight in (tiers/livefill.py), since the checked providers are restored last, after every
+        bytes straight in (tiers/reading/livefill.py), since the checked providers are restored last, after every
         provider was checked (:meth:`AtomicRestore.restore_checked` fills them first). Listed with
         ``tensor_batch()`` where a provider has it (C loops, and no ``describe()`` that a runner counts on
         for its plans), else ``describe()``; a provider whose listing fails offers none (its restore says why)."""

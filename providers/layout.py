@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..tiers.objcodec import ObjectCodecError, encode_object
+from ..tiers.format.objcodec import ObjectCodecError, encode_object
 from .items import Item, ObjectItem, Serializer, TensorItem
 from .objects import VALUE_KEY
 from .stateful import SKELETON_KEY

@@ -36,9 +36,9 @@ from tierstate.providers import (
     TensorDictProvider,
 )
 from tierstate.providers.items import TensorItem
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import read_manifest
-from tierstate.tiers.migrate import migrate
+from tierstate.tiers.format.format import read_manifest
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from tierstate.pipeline.config import PipelineConfig, parse_config
 from tierstate.pipeline.packaged import packaged_config
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 
 def document(base: str | None, **dotted: Any) -> dict[str, Any]:

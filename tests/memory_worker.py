@@ -5,7 +5,7 @@ Usage: ``python tests/memory_worker.py WORKDIR MEMORY_DIR MODE`` with MODE one o
 * ``train``: eight steps, checkpoints after steps 2 and 4, every one flushed to NVMe; the losses of
   steps 5 to 8 are the reference;
 * ``crash``: the same, but once step 2 is on NVMe it arms the fault hook that SIGKILLs this process
-  at the first frame a flush copies (tiers/faults.py): step 4 then commits in memory and the
+  at the first frame a flush copies (tiers/storage/faults.py): step 4 then commits in memory and the
   process dies copying it to NVMe, before the NVMe commit;
 * ``resume``: a new process from other weights restores the latest step and trains to step 8.
 
@@ -26,7 +26,7 @@ from toy_regression import model_and_optimizer, train_step
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
-from tierstate.tiers.faults import ENV as FAULT_ENV
+from tierstate.tiers.storage.faults import ENV as FAULT_ENV
 
 STEPS = 8
 SAVED_AT = (2, 4)

@@ -37,9 +37,9 @@ from toy_regression import model_and_optimizer, train_step
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider, RNGProvider
-from tierstate.tiers import faults
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.peers import kept_for
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.peers import kept_for
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "default.yaml"

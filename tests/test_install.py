@@ -144,7 +144,7 @@ def test_the_wheel_in_a_fresh_venv_imports_with_the_repository_root_as_working_d
         return done.stdout
 
     probe = (
-        "import tierstate, tierstate.pipeline.runner, tierstate.tiers.commands, tierstate.providers\n"
+        "import tierstate, tierstate.pipeline.runner, tierstate.cli.commands, tierstate.providers\n"
         "print(tierstate.__file__)\nprint(tierstate.pipeline.runner.__file__)\nprint(tierstate.Runner.__name__)\n"
     )
     facade, runner, name = run("-c", probe).split()

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from tierstate.tiers.filesystem import fsync_dir
+from tierstate.tiers.storage.filesystem import fsync_dir
 
 from .machine import write_kernel_knob
 from .units import MiB

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from ...tiers import faults
-from ...tiers.format import checksum
-from ...tiers.hostcache import Slab
+from ...tiers.format.format import checksum
+from ...tiers.storage import faults
+from ...tiers.storage.hostcache import Slab
 from ..units import Chunk, ChunkEntry, ChunkPlan, CopyProgram, EagerSources, TensorPiece, Unit
 from .slabs import HeldSlabs
 

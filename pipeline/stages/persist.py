@@ -1,6 +1,6 @@
 """The persist stage: this rank's files on the durable tier, in either container format.
 
-The writers in tiers (:mod:`tiers.rankwriter` over :mod:`tiers.container`) only block and raise
+The writers in tiers (:mod:`tiers.format.rankwriter` over :mod:`tiers.format.container`) only block and raise
 OSError. This is the one place where the pipeline calls them, so whichever format the YAML picks
 (``persist.format``), the same rules hold: every call runs in the I/O pool, except chunk writes, which
 run on the threads of the lane that ends with persist (its own workers there, or with ``workers: 0``
@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ...tiers.container import Chunk, Layout
-from ...tiers.format import ManifestBody
-from ...tiers.pacing import Pacer
-from ...tiers.rankwriter import RankWriter, data_file_path
+from ...tiers.format.container import Chunk, Layout
+from ...tiers.format.format import ManifestBody
+from ...tiers.format.rankwriter import RankWriter, data_file_path
+from ...tiers.ops.pacing import Pacer
 from ..config_schema import PersistStage
 from ..metrics import CheckpointStats
 from ..plan import CheckpointPlan, tensor_layout

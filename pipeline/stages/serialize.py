@@ -5,7 +5,7 @@ Tensor chunks go past it: their bytes, as captured, are already their serialized
 
 from __future__ import annotations
 
-from ...tiers.objcodec import ObjectCodecError, encode_object
+from ...tiers.format.objcodec import ObjectCodecError, encode_object
 from ..units import Chunk, ChunkEntry, ObjectBatch, Unit
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ...tiers.hostcache import HostCache, Slab
+from ...tiers.storage.hostcache import HostCache, Slab
 from ..metrics import CheckpointStats
 from ..stage_threads import Flow, Stopped
 

@@ -17,6 +17,7 @@ from tierstate._version import __version__
 from tierstate.errors import TierstateError
 
 if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interpreter the same
+    from tierstate.errors import UsageError
     from tierstate.pipeline.buckets import open_buckets
     from tierstate.pipeline.config import ConfigError, PipelineConfig, load_config, parse_config
     from tierstate.pipeline.distributed import CheckpointAborted
@@ -51,18 +52,17 @@ if TYPE_CHECKING:  # what type checkers and editors see; _HOMES tells the interp
     from tierstate.providers import layout as layout
     from tierstate.providers.dtensor import storage_of
     from tierstate.providers.items import Item, Serializer
-    from tierstate.tiers.codecs import CodecError
-    from tierstate.tiers.commands import UsageError
-    from tierstate.tiers.dtypes import UnknownDtypeError
-    from tierstate.tiers.export import ExportReport
-    from tierstate.tiers.filesystem import CheckpointExistsError, FilesystemTier, TierError, TierInUseError
-    from tierstate.tiers.format import ManifestError, MissingItemError, read_manifest
-    from tierstate.tiers.hdf5 import Hdf5LayoutError
-    from tierstate.tiers.locks import InUseError
-    from tierstate.tiers.migrate import MigrateError
-    from tierstate.tiers.objcodec import ObjectCodecError
-    from tierstate.tiers.pieces import ReadTooLargeError
-    from tierstate.tiers.stored import CorruptCheckpointError, load
+    from tierstate.tiers.format.codecs import CodecError
+    from tierstate.tiers.format.dtypes import UnknownDtypeError
+    from tierstate.tiers.format.format import ManifestError, MissingItemError, read_manifest
+    from tierstate.tiers.format.hdf5 import Hdf5LayoutError
+    from tierstate.tiers.format.objcodec import ObjectCodecError
+    from tierstate.tiers.ops.export import ExportReport
+    from tierstate.tiers.ops.migrate import MigrateError
+    from tierstate.tiers.reading.pieces import ReadTooLargeError
+    from tierstate.tiers.reading.stored import CorruptCheckpointError, load
+    from tierstate.tiers.storage.filesystem import CheckpointExistsError, FilesystemTier, TierError, TierInUseError
+    from tierstate.tiers.storage.locks import InUseError
 
 # Where the public names live: imported from there on first use.
 _HOMES = {
@@ -71,6 +71,7 @@ _HOMES = {
     "tierstate.pipeline.distributed": ("CheckpointAborted",),
     "tierstate.pipeline.fresh": ("ExistingCheckpointsError",),
     "tierstate.pipeline.handle": ("CheckpointFailed", "CheckpointHandle", "CheckpointResult"),
+    "tierstate.errors": ("UsageError",),
     "tierstate.pipeline.laziness": ("AttachError",),
     "tierstate.pipeline.lifecycle": ("RunnerClosedError",),
     "tierstate.pipeline.metrics": ("CheckpointStats", "RunMetrics"),
@@ -86,18 +87,17 @@ _HOMES = {
     ),
     "tierstate.providers.dtensor": ("storage_of",),
     "tierstate.providers.items": ("Item", "Serializer"),
-    "tierstate.tiers.codecs": ("CodecError",),
-    "tierstate.tiers.commands": ("UsageError",),
-    "tierstate.tiers.dtypes": ("UnknownDtypeError",),
-    "tierstate.tiers.export": ("ExportReport",),
-    "tierstate.tiers.filesystem": ("CheckpointExistsError", "FilesystemTier", "TierError", "TierInUseError"),
-    "tierstate.tiers.format": ("ManifestError", "MissingItemError", "read_manifest"),
-    "tierstate.tiers.hdf5": ("Hdf5LayoutError",),
-    "tierstate.tiers.locks": ("InUseError",),
-    "tierstate.tiers.migrate": ("MigrateError",),
-    "tierstate.tiers.objcodec": ("ObjectCodecError",),
-    "tierstate.tiers.pieces": ("ReadTooLargeError",),
-    "tierstate.tiers.stored": ("CorruptCheckpointError", "load"),
+    "tierstate.tiers.format.codecs": ("CodecError",),
+    "tierstate.tiers.format.dtypes": ("UnknownDtypeError",),
+    "tierstate.tiers.ops.export": ("ExportReport",),
+    "tierstate.tiers.storage.filesystem": ("CheckpointExistsError", "FilesystemTier", "TierError", "TierInUseError"),
+    "tierstate.tiers.format.format": ("ManifestError", "MissingItemError", "read_manifest"),
+    "tierstate.tiers.format.hdf5": ("Hdf5LayoutError",),
+    "tierstate.tiers.storage.locks": ("InUseError",),
+    "tierstate.tiers.ops.migrate": ("MigrateError",),
+    "tierstate.tiers.format.objcodec": ("ObjectCodecError",),
+    "tierstate.tiers.reading.pieces": ("ReadTooLargeError",),
+    "tierstate.tiers.reading.stored": ("CorruptCheckpointError", "load"),
 }  # fmt: skip
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 # Public modules, imported on first use too: ``tierstate.layout`` (how a framework's nested state maps to

@@ -8,3 +8,8 @@ derive from it without importing one another. Each concrete error also keeps the
 
 class TierstateError(Exception):
     """Base class of every error tierstate raises on purpose: ``except TierstateError`` catches them all."""
+
+
+class UsageError(TierstateError):
+    """A request the tiers cannot serve as asked (no such tier or step, options that contradict):
+    the CLI prints it without a traceback, exit code 2."""

@@ -31,9 +31,9 @@ import torch
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ObjectProvider
 from tierstate.providers.items import TensorItem
-from tierstate.tiers import faults
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "configs" / "default.yaml"
@@ -183,7 +183,7 @@ def train(
     fault: str | None,
     conn: multiprocessing.connection.Connection,
     extra: Mapping[str, Any],
-    env: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
 ) -> None:
     """Checkpoint steps ``first .. first+count-1``, reporting each request and each durable step.
 
@@ -192,7 +192,7 @@ def train(
     forkserver's own environment is the one it started with, not the test's now: S3 credentials).
     The state changes only after capture, as with the optimizer pre-hook of ``runner.attach``.
     """
-    os.environ.update(env)
+    os.environ.update(env or {})
     if fault:
         os.environ[faults.ENV] = fault
     runner = make_runner(Path(root), pipeline__stages__persist__bandwidth="48MiB", **extra)

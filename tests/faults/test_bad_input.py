@@ -32,11 +32,11 @@ from tierstate import cli
 from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.providers import ObjectProvider
-from tierstate.tiers.codecs import CodecError, decompress
-from tierstate.tiers.format import ManifestError, _canonical, checksum, parse_index, parse_manifest
-from tierstate.tiers.manifest import FORMAT_VERSION, MANIFEST_NAME
-from tierstate.tiers.objcodec import MAX_DEPTH, ObjectCodecError, decode_object, encode_object
-from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint, load
+from tierstate.tiers.format.codecs import CodecError, decompress
+from tierstate.tiers.format.format import ManifestError, _canonical, checksum, parse_index, parse_manifest
+from tierstate.tiers.format.manifest import FORMAT_VERSION, MANIFEST_NAME
+from tierstate.tiers.format.objcodec import MAX_DEPTH, ObjectCodecError, decode_object, encode_object
+from tierstate.tiers.reading.stored import CorruptCheckpointError, StoredCheckpoint, load
 
 pytestmark = pytest.mark.faults
 
@@ -328,8 +328,8 @@ def test_a_too_deep_object_fails_its_checkpoint_and_training_goes_on(tmp_path: P
 
 DECODE_IN_A_CHILD = """
 import sys, threading
-from tierstate.tiers.objcodec import ObjectCodecError, decode_object
-from tierstate.tiers.stored import load
+from tierstate.tiers.format.objcodec import ObjectCodecError, decode_object
+from tierstate.tiers.reading.stored import load
 
 def attempt(name, decode):
     try:

@@ -33,10 +33,10 @@ import zstandard
 
 from faultkit import REPO, expected, state_matches, trainer, write_steps
 from tierstate.errors import TierstateError
-from tierstate.tiers.codecs import shuffle
-from tierstate.tiers.format import checksum, manifest_bytes, now_iso
-from tierstate.tiers.manifest import MANIFEST_NAME
-from tierstate.tiers.stored import load
+from tierstate.tiers.format.codecs import shuffle
+from tierstate.tiers.format.format import checksum, manifest_bytes, now_iso
+from tierstate.tiers.format.manifest import MANIFEST_NAME
+from tierstate.tiers.reading.stored import load
 
 pytestmark = pytest.mark.faults
 

@@ -44,15 +44,15 @@ from tierstate import Runner
 from tierstate.cli import main
 from tierstate.errors import TierstateError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier, TierError
-from tierstate.tiers.format import checksum, manifest_bytes
-from tierstate.tiers.manifest import MANIFEST_NAME, Manifest
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.pacing import Pacer
-from tierstate.tiers.s3claim import CLAIM_NAME
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.stored import StoredCheckpoint
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.format import checksum, manifest_bytes
+from tierstate.tiers.format.manifest import MANIFEST_NAME, Manifest
+from tierstate.tiers.ops.pacing import Pacer
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage.filesystem import FilesystemTier, TierError
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3claim import CLAIM_NAME
+from tierstate.tiers.storage.s3tier import S3Tier
 
 pytestmark = pytest.mark.faults
 endpoint = s3server.endpoint

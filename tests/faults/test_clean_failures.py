@@ -25,10 +25,10 @@ from tierstate import cli
 from tierstate.errors import TierstateError
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.format import MissingItemError, manifest_bytes, read_manifest
-from tierstate.tiers.manifest import MANIFEST_NAME
-from tierstate.tiers.stored import load
-from tierstate.tiers.verify import STAMP_NAME
+from tierstate.tiers.format.format import MissingItemError, manifest_bytes, read_manifest
+from tierstate.tiers.format.manifest import MANIFEST_NAME
+from tierstate.tiers.ops.verify import STAMP_NAME
+from tierstate.tiers.reading.stored import load
 
 pytestmark = pytest.mark.faults
 

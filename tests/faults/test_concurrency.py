@@ -22,8 +22,8 @@ from faultkit import (
     write_steps,
 )
 from tierstate.pipeline.runner import Runner
-from tierstate.tiers import faults
-from tierstate.tiers.migrate import migrate
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.storage import faults
 
 pytestmark = pytest.mark.faults
 

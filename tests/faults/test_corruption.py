@@ -21,10 +21,10 @@ import pytest
 
 from faultkit import scaled, state_matches, tally, tiers_of, trainer, write_steps
 from tierstate.pipeline.restore import NoCheckpointError
-from tierstate.tiers.format import read_manifest
-from tierstate.tiers.manifest import MANIFEST_NAME
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.format import read_manifest
+from tierstate.tiers.format.manifest import MANIFEST_NAME
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.ops.verify import verify_step
 
 pytestmark = pytest.mark.faults
 
@@ -173,7 +173,7 @@ def test_random_bit_flips_are_detected_or_harmless(tmp_path: Path, codec: str) -
 @pytest.mark.parametrize("damage", ["missing", "flipped"])
 def test_a_damaged_index_is_found_by_verify_and_refused_by_restore(three_steps: Path, damage: str) -> None:
     """The manifest has all that restore reads, but a copy verify rejects is one restore rejects too
-    (tiers/integrity.py): the newest step is refused naming the index, and fallback restores step 2."""
+    (tiers/reading/integrity.py): the newest step is refused naming the index, and fallback restores step 2."""
     nvme = tiers_of(three_steps)[0]
     index = nvme.step_dir(3) / "rank-00000.index"
     if damage == "missing":

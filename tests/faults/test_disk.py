@@ -37,9 +37,9 @@ from faultkit import (
 )
 from tierstate.pipeline.handle import CheckpointHandle
 from tierstate.pipeline.runner import Runner
-from tierstate.tiers import faults
-from tierstate.tiers.filesystem import TierError
-from tierstate.tiers.retention import collect_garbage
+from tierstate.tiers.ops.retention import collect_garbage
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import TierError
 
 pytestmark = pytest.mark.faults
 

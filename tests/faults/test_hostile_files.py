@@ -24,8 +24,8 @@ import xxhash
 from faultkit import REPO, state_matches, tally, tiers_of, trainer, write_steps
 from tierstate import cli
 from tierstate.pipeline.restore import NoCheckpointError
-from tierstate.tiers.manifest import MANIFEST_NAME
-from tierstate.tiers.verify import STAMP_NAME
+from tierstate.tiers.format.manifest import MANIFEST_NAME
+from tierstate.tiers.ops.verify import STAMP_NAME
 
 pytestmark = pytest.mark.faults
 

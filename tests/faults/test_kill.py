@@ -33,9 +33,9 @@ from faultkit import (
     trainer,
 )
 from tierstate import cli
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.retention import collect_garbage, leftovers
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.ops.retention import collect_garbage, leftovers
+from tierstate.tiers.reading.stored import StoredCheckpoint
 
 pytestmark = pytest.mark.faults
 

@@ -26,10 +26,10 @@ from faultkit import Trial, matches_step, run_trainer, scaled, tally
 from tierstate import cli
 from tierstate.pipeline.config import PipelineConfig, parse_config
 from tierstate.pipeline.runner import Runner
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 
 pytestmark = pytest.mark.faults
 

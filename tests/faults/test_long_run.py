@@ -16,8 +16,8 @@ from faultkit import audit, make_runner, open_fds, rss_bytes, run_forgetful, sca
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ObjectProvider
 from tierstate.providers.items import TensorItem
-from tierstate.tiers.retention import collect_garbage, leftovers
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.ops.retention import collect_garbage, leftovers
+from tierstate.tiers.reading.stored import StoredCheckpoint
 
 pytestmark = pytest.mark.faults
 

@@ -26,10 +26,10 @@ import faultkit
 from faultkit import REPO, matches_step, run_trainer, state_matches, trainer
 from tierstate import cli
 from tierstate.pipeline.config import load_config
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.pending import pending_flushes
-from tierstate.tiers.retention import TierPolicies
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.ops.pending import pending_flushes
+from tierstate.tiers.ops.retention import TierPolicies
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 pytestmark = pytest.mark.faults
 

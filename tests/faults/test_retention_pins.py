@@ -23,7 +23,7 @@ from faultkit import DEFAULT_YAML
 from tierstate import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import faults
+from tierstate.tiers.storage import faults
 
 pytestmark = pytest.mark.faults
 

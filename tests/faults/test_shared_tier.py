@@ -19,9 +19,9 @@ import pytest
 
 from faultkit import StepState, audit, make_runner, tally, tiers_of, train, trainer, trainer_context, write_steps
 from tierstate.pipeline.runner import Runner
-from tierstate.tiers.filesystem import TierError
-from tierstate.tiers.locks import WRITER_LOCK_NAME
-from tierstate.tiers.retention import Leftover, collect_garbage
+from tierstate.tiers.ops.retention import Leftover, collect_garbage
+from tierstate.tiers.storage.filesystem import TierError
+from tierstate.tiers.storage.locks import WRITER_LOCK_NAME
 
 pytestmark = pytest.mark.faults
 

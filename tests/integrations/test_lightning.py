@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("lightning")
 
 from tierstate.integrations.lightning import read_pointer
-from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 REPO = Path(__file__).resolve().parents[2]

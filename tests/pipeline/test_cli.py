@@ -28,8 +28,8 @@ from tierstate.cli.parser import build_parser
 from tierstate.pipeline.config import load_config
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import read_manifest
+from tierstate.tiers.format.format import read_manifest
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 
 def _config(tiers: dict[str, dict]) -> dict:

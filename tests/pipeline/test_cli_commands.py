@@ -15,16 +15,16 @@ from safetensors.torch import load_file
 from test_cli import _on_terminal
 
 from tierstate import cli
-from tierstate.cli import render
+from tierstate.cli import commands, render
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import commands, faults
-from tierstate.tiers.convert import container_format
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.pacing import Pacer
-from tierstate.tiers.policy import RetentionPolicy
-from tierstate.tiers.retention import TierPolicies
-from tierstate.tiers.stored import load
+from tierstate.tiers.format.convert import container_format
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.ops.pacing import Pacer
+from tierstate.tiers.ops.policy import RetentionPolicy
+from tierstate.tiers.ops.retention import TierPolicies
+from tierstate.tiers.reading.stored import load
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 MiB = 1 << 20
 

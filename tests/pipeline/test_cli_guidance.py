@@ -20,9 +20,9 @@ from tierstate import cli
 from tierstate.cli import render
 from tierstate.cli.parser import build_parser
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import faults
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.migrate import migrate
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 MiB = 1 << 20
 

@@ -11,9 +11,9 @@ from tierstate import cli
 from tierstate.pipeline.handle import CheckpointFailed
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers.filesystem import CheckpointExistsError, TierError
-from tierstate.tiers.format import ManifestError, parse_index, read_manifest
-from tierstate.tiers.manifest import Manifest
+from tierstate.tiers.format.format import ManifestError, parse_index, read_manifest
+from tierstate.tiers.format.manifest import Manifest
+from tierstate.tiers.storage.filesystem import CheckpointExistsError, TierError
 
 
 def _state(mib: int = 1) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ import os
 import torch
 
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import codecs
-from tierstate.tiers.stored import load
+from tierstate.tiers.format import codecs
+from tierstate.tiers.reading.stored import load
 
 
 def test_compress_into_round_trips_and_refuses_incompressible() -> None:

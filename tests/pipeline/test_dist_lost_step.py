@@ -16,7 +16,7 @@ import torch
 from tierstate.pipeline.agreement import Holdings, agreed_candidates
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 
 def _two_ranks_tiers(make_runner, tmp_path: Path) -> tuple[list[FilesystemTier], list[FilesystemTier]]:

@@ -33,12 +33,12 @@ from launch import torchrun as launch
 from tierstate import cli
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, RNGProvider, TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import parse_index
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.records import ShardedRecord, TensorRecord
-from tierstate.tiers.stored import load
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.format import parse_index
+from tierstate.tiers.format.records import ShardedRecord, TensorRecord
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.reading.stored import load
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 WORKER = REPO / "tests" / "dist_worker.py"
 LAUNCH_TIMEOUT_S = 180

@@ -1,4 +1,4 @@
-"""One rule for what is due where (tiers/due.py), seen from the outside: many checkpoints through every
+"""One rule for what is due where (tiers/ops/due.py), seen from the outside: many checkpoints through every
 packaged layout and the shapes a cluster or cloud user builds (chained, fanned out, buckets), then each
 tier holds exactly what its retention keeps, the newest step is on every tier the graph reaches, ``ls``
 shows nothing pending and ``tierstate flush`` copies nothing, run after run.
@@ -21,7 +21,7 @@ import pytest
 
 from due_layouts import check_steady, document, run
 from tierstate.pipeline.config import ConfigError, load_config, parse_config
-from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 STEPS = 100  # per runner; two runners per shape
 

@@ -18,7 +18,7 @@ from tierstate.pipeline.laziness import AttachError
 from tierstate.pipeline.request import InvalidStepError, NothingRegisteredError
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import TierError
+from tierstate.tiers.storage.filesystem import TierError
 
 # --- tier paths, when the runner is built -------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO
 from tierstate import cli
 from tierstate.providers import ModuleProvider, ObjectProvider, OptimizerProvider
-from tierstate.tiers.pacing import Pacer
+from tierstate.tiers.ops.pacing import Pacer
 
 TIERED_YAML = REPO / "configs" / "tiered.yaml"
 

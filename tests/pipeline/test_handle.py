@@ -130,7 +130,7 @@ FAILING_TRAINER = textwrap.dedent(
     import errno, sys
     import torch
     from tierstate import Runner, TensorDictProvider
-    from tierstate.tiers import faults
+    from tierstate.tiers.storage import faults
 
     root, steps = sys.argv[1], int(sys.argv[2])
     runner = Runner.from_yaml(sys.argv[3], {

@@ -16,7 +16,7 @@ import torch
 from tierstate import Runner
 from tierstate.pipeline.config import parse_config
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers import faults
+from tierstate.tiers.storage import faults
 
 MiB = 1 << 20
 ONE_THREAD = {f"pipeline.stages.{name}.workers": 0 for name in ("serialize", "compress", "persist")}

@@ -20,8 +20,8 @@ from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.restore import nearest_first
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.nodes import NODE_ENV
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.nodes import NODE_ENV
 
 WORKER = REPO / "tests" / "memory_worker.py"
 MiB = 1 << 20

@@ -17,9 +17,9 @@ from tierstate.cli.stats import show_stats
 from tierstate.pipeline.handle import CheckpointFailed, HandleCompleter
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.format import ManifestError, checksum, manifest_bytes, read_manifest
-from tierstate.tiers.manifest import MANIFEST_NAME
-from tierstate.tiers.multirank import RankPart, merge_parts
+from tierstate.tiers.format.format import ManifestError, checksum, manifest_bytes, read_manifest
+from tierstate.tiers.format.manifest import MANIFEST_NAME
+from tierstate.tiers.format.multirank import RankPart, merge_parts
 
 MiB = 1 << 20
 CHAIN = ["capture", "serialize", "compress", "persist"]

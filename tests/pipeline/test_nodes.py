@@ -23,11 +23,11 @@ import torch.distributed as dist
 from conftest import REPO
 from launch import run_side_by_side
 from tierstate import cli
-from tierstate.tiers.faults import ENV as FAULT_ENV
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.peers import kept_for, returned_from
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.storage.faults import ENV as FAULT_ENV
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.peers import kept_for, returned_from
 
 Launched = tuple[list[str], dict[str, str]]  # a command and its environment
 WORKER = REPO / "tests" / "nodes_worker.py"

@@ -18,13 +18,13 @@ from tierstate.pipeline.config_schema import TierConfig
 from tierstate.pipeline.room import Room, TierFullError, no_room_for
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import ManifestError
-from tierstate.tiers.manifest import MANIFEST_NAME
-from tierstate.tiers.nodeparts import node_part
-from tierstate.tiers.peers import ReceivedPart, part_files, partner_of
-from tierstate.tiers.pieces import CorruptCheckpointError
-from tierstate.tiers.safeopen import read_bytes
+from tierstate.tiers.format.format import ManifestError
+from tierstate.tiers.format.manifest import MANIFEST_NAME
+from tierstate.tiers.reading.pieces import CorruptCheckpointError
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.nodeparts import node_part
+from tierstate.tiers.storage.peers import ReceivedPart, part_files, partner_of
+from tierstate.tiers.storage.safeopen import read_bytes
 
 MiB = 1 << 20
 

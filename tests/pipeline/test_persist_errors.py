@@ -22,11 +22,11 @@ import torch
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers import faults
-from tierstate.tiers.container import Chunk, ChunkEntry, Layout, TensorLayout
-from tierstate.tiers.filesystem import TierError
-from tierstate.tiers.hdf5 import Hdf5Container
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.container import Chunk, ChunkEntry, Layout, TensorLayout
+from tierstate.tiers.format.hdf5 import Hdf5Container
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import TierError
 
 FORMATS = [("frames", "rank-00000.data"), ("hdf5", "rank-00000.h5")]
 

@@ -170,7 +170,7 @@ def test_a_model_and_its_optimizer_are_described_once_and_saved_as_requested(
     for step in range(1, 5):
         runner.restore(step)
         assert _same_state(_state_of(model, opt), expected[step]), step
-    for step in (5, 6):  # the restore read into the very tensors the plan holds (tiers/livefill.py): reused
+    for step in (5, 6):  # the restore read into the very tensors the plan holds (tiers/reading/livefill.py): reused
         runner.checkpoint(step).result()
     assert (module.described, optim.described) == (1, 1)
     opt.load_state_dict(opt.state_dict())  # a new state mapping holding the very same tensors

@@ -14,7 +14,7 @@ from tierstate.pipeline.agreement import Holdings, agreed_candidates, restore_ch
 from tierstate.pipeline.runner import Runner
 from tierstate.pipeline.solo import SoloGroup
 from tierstate.providers.composite import CompositeProvider
-from tierstate.tiers.filesystem import FilesystemTier
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 
 def holdings(*per_rank: dict[str, list[int]], which: int | str = "latest", fallback: bool = False) -> list[Holdings]:

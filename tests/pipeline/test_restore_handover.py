@@ -5,7 +5,7 @@ any that alias its input, in case the caller reuses that memory. Tensors a resto
 into fresh buffers are nobody else's, and copying them cost ~0.2 s per GB of moments on every
 restore; the restore says so in the state it hands over (``ReadState.fresh``). Anything else (a
 caller's own tensors, tied storage) is still copied. Where the optimizer already holds tensors of the
-stored shapes, the restore reads straight into them instead (tiers/livefill.py): nothing to hand over.
+stored shapes, the restore reads straight into them instead (tiers/reading/livefill.py): nothing to hand over.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def test_runner_restore_reads_straight_into_the_optimizers_own_tensors(make_runn
     for v in _kept(optimizer):
         v.zero_()
     runner.restore(1)
-    # Neither copied nor handed over: the stored bytes were read into the very tensors it had (tiers/livefill.py).
+    # Neither copied nor handed over: the stored bytes were read into the very tensors it had
+    # (tiers/reading/livefill.py).
     assert {id(v): v.untyped_storage().data_ptr() for v in _kept(optimizer)} == before
     for i, s in enumerate(optimizer.state.values()):
         for k, v in s.items():

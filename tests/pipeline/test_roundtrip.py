@@ -16,9 +16,9 @@ from tierstate.providers import (
     StatefulProvider,
     TensorDictProvider,
 )
-from tierstate.tiers.dtypes import DTYPES
-from tierstate.tiers.format import read_manifest
-from tierstate.tiers.stored import load
+from tierstate.tiers.format.dtypes import DTYPES
+from tierstate.tiers.format.format import read_manifest
+from tierstate.tiers.reading.stored import load
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -27,8 +27,8 @@ from tierstate.pipeline.stages.serialize import Serialize
 from tierstate.pipeline.stages.slabs import HeldSlabs
 from tierstate.pipeline.units import Chunk, ChunkPlan, ObjectBatch, Unit, run_blocking
 from tierstate.providers import ObjectItem, TensorItem
-from tierstate.tiers.hostcache import HostCache
-from tierstate.tiers.objcodec import decode_object
+from tierstate.tiers.format.objcodec import decode_object
+from tierstate.tiers.storage.hostcache import HostCache
 
 MiB = 1 << 20
 

@@ -204,7 +204,7 @@ def test_an_s3_url_error_says_what_an_url_looks_like_never_a_pattern(
 def test_an_endpoint_from_the_environment_or_the_command_line_is_checked_naming_where_it_came_from(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierstate.tiers.objstore import ObjectStore
+    from tierstate.tiers.storage.objstore import ObjectStore
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "localhost:9000")
     with pytest.raises(TierError) as refused:

@@ -29,7 +29,7 @@ from tierstate.providers import (
     split_tensors,
 )
 from tierstate.providers.optimizer import ParamIds
-from tierstate.tiers.objcodec import decode_object, encode_object
+from tierstate.tiers.format.objcodec import decode_object, encode_object
 
 
 def read_back(items: Iterable[TensorItem | ObjectItem], serializer: str | None = None) -> dict[str, Any]:

@@ -128,8 +128,8 @@ def abandoned_partial(workdir: Path, tier: str, step: int, age_s: float) -> None
 
 def damage_frame(step_dir: Path, frame: int) -> None:
     """Flip a byte inside data frame ``frame`` of rank 0 (found through the index, never in padding)."""
-    from tierstate.tiers.source import DirectorySource
-    from tierstate.tiers.stored import StoredCheckpoint
+    from tierstate.tiers.reading.source import DirectorySource
+    from tierstate.tiers.reading.stored import StoredCheckpoint
 
     record = StoredCheckpoint(DirectorySource(step_dir)).manifest.files["rank-00000.data"].frames[frame]
     data = step_dir / "rank-00000.data"

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import ManifestError, manifest_bytes, parse_manifest
-from tierstate.tiers.manifest import Manifest
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.multirank import RankPart, merge_parts
-from tierstate.tiers.nodeparts import join_parts, node_part
+from tierstate.tiers.format.format import ManifestError, manifest_bytes, parse_manifest
+from tierstate.tiers.format.manifest import Manifest
+from tierstate.tiers.format.multirank import RankPart, merge_parts
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.nodeparts import join_parts, node_part
 
 CREATED = "2026-01-01T00:00:00.000+00:00"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.gcpause import gc_paused
-from tierstate.tiers.stored import load
+from tierstate.tiers.format.gcpause import gc_paused
+from tierstate.tiers.reading.stored import load
 
 
 def test_pauses_nest_across_threads_and_the_last_one_out_resumes() -> None:

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from tierstate import cli
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers.dtypes import DTYPES
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import parse_index
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.dtypes import DTYPES
+from tierstate.tiers.format.format import parse_index
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 NATIVE = {"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32",
           "float64", "complex64", "complex128"}  # fmt: skip
@@ -189,8 +189,8 @@ def test_only_writing_hdf5_needs_h5py(installed: bool) -> None:
 
 
 def test_writing_hdf5_without_h5py_fails_naming_the_extra(tmp_path, monkeypatch) -> None:
-    from tierstate.tiers.hdf5 import Hdf5Container
-    from tierstate.tiers.hdf5_extra import Hdf5UnavailableError
+    from tierstate.tiers.format.hdf5 import Hdf5Container
+    from tierstate.tiers.format.hdf5_extra import Hdf5UnavailableError
 
     monkeypatch.setitem(sys.modules, "h5py", None)
     with pytest.raises(Hdf5UnavailableError, match=r"pip install 'tierstate\[hdf5\]'"):

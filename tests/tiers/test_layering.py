@@ -8,7 +8,7 @@ from: a directory, a bucket prefix), ``pieces`` (frames -> verified bytes in byt
 grammar has one home, ``names``. Between packages: pipeline may import providers and tiers; neither
 imports pipeline; the pipeline, the integrations and the CLI read checkpoints only through ``stored``;
 the integrations are built like user code, on the facade (``tierstate``, ``tierstate.errors``) and the
-read object (``tierstate.tiers.stored``) alone, and the facade imports no integration.
+read object (``tierstate.tiers.reading.stored``) alone, and the facade imports no integration.
 Imports are read from the source with ``ast``, function-level ones included (a cycle hidden in
 a function is still a cycle).
 """
@@ -23,21 +23,41 @@ TIERS = REPO / "tiers"
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The sibling modules of ``tiers`` that ``path`` imports, anywhere in it."""
+    """The modules of ``tiers`` (``group.module``) that ``path``, in tiers/GROUP/, imports, anywhere in it."""
+    group = path.parent.name
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
+        if isinstance(node, ast.ImportFrom) and node.level in (1, 2):
+            # from .X / from . import X (this group); from ..G.X / from ..G import X (another group)
+            prefix = (group,) if node.level == 1 else tuple((node.module or "").split(".")[:1])
+            named = (node.module or "").split(".")[(0 if node.level == 1 else 1) :]
+            if named and named[0]:
+                found.add(".".join((*prefix, named[0])))
+            else:
+                found |= {".".join((*prefix, alias.name)) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tierstate.tiers."):
-            found.add(node.module.split(".")[2])
+            found.add(".".join(node.module.split(".")[2:4]))
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("tierstate.tiers.")}
+            found |= {".".join(a.name.split(".")[2:4]) for a in node.names if a.name.startswith("tierstate.tiers.")}
     return found & modules
 
 
+def _module(path: Path) -> str:
+    return f"{path.parent.name}.{path.stem}"
+
+
 def import_graph() -> dict[str, set[str]]:
-    modules = {path.stem for path in TIERS.glob("*.py")}
-    return {path.stem: _imports(path, modules) for path in TIERS.glob("*.py")}
+    files = [path for path in TIERS.glob("*/*.py") if path.stem != "__init__"]
+    modules = {_module(path) for path in files}
+    return {_module(path): _imports(path, modules) for path in files}
+
+
+def test_tiers_is_grouped_by_job() -> None:
+    """Every module of tiers lives in one of its sub-packages, each saying what it holds."""
+    assert [p.name for p in TIERS.glob("*.py")] == ["__init__.py"]
+    groups = {p.parent.name for p in TIERS.glob("*/*.py")}
+    assert groups == {"format", "storage", "reading", "ops"}
+    assert all((TIERS / group / "__init__.py").read_text().startswith('"""') for group in groups)
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -75,19 +95,22 @@ def test_tiers_modules_import_each_other_without_a_cycle() -> None:
 
 def test_reading_layers_import_only_downwards() -> None:
     graph = import_graph()
-    assert not graph["source"] & {"format", "pieces", "reshard", "reader", "stored"}
-    assert not graph["pieces"] & {"reshard", "reader", "stored"}
-    assert "pieces" in graph["reshard"] and not graph["reshard"] & {"reader", "stored"}
-    assert {"pieces", "reshard"} <= graph["reader"] and "stored" not in graph["reader"]
-    assert {"reader", "reshard", "multirank", "source"} <= graph["stored"]
-    assert "pieces" in graph["livefill"] and not graph["livefill"] & {"reshard", "reader", "stored"}
-    assert "livefill" in graph["stored"]
-    assert not graph["names"]  # the file-name grammar needs nothing: any module may use it
+    r = "reading."
+    assert not graph[r + "source"] & {"format.format", r + "pieces", r + "reshard", r + "reader", r + "stored"}
+    assert not graph[r + "pieces"] & {r + "reshard", r + "reader", r + "stored"}
+    assert r + "pieces" in graph[r + "reshard"] and not graph[r + "reshard"] & {r + "reader", r + "stored"}
+    assert {r + "pieces", r + "reshard"} <= graph[r + "reader"] and r + "stored" not in graph[r + "reader"]
+    assert {r + "reader", r + "reshard", "format.multirank", r + "source"} <= graph[r + "stored"]
+    assert r + "pieces" in graph[r + "livefill"]
+    assert not graph[r + "livefill"] & {r + "reshard", r + "reader", r + "stored"}
+    assert r + "livefill" in graph[r + "stored"]
+    assert not graph["format.names"]  # the file-name grammar needs nothing: any module may use it
 
 
 PACKAGES = {"pipeline": REPO / "pipeline", "providers": REPO / "providers", "tiers": TIERS}
 OUTSIDE = {"integrations": REPO / "src" / "tierstate" / "integrations", "cli": REPO / "src" / "tierstate" / "cli"}
-READING_INTERNALS = {"reader", "reshard", "pieces", "source", "livefill"}  # read only through tiers.stored
+READING_INTERNALS = {"reader", "reshard", "pieces", "source", "livefill"}  # read only through tiers.reading.stored
+READING = "tiers.reading"
 
 
 def _targets(path: Path, package: str) -> set[str]:
@@ -98,12 +121,15 @@ def _targets(path: Path, package: str) -> set[str]:
             if node.level == 1:  # a sibling
                 names = [node.module] if node.module else [a.name for a in node.names]
                 found |= {f"{package}.{n.split('.')[0]}" for n in names}
-            elif node.level >= 2 and node.module:  # ..tiers.stored from pipeline/ or src/tierstate/x/
-                found.add(".".join(node.module.split(".")[:2]))
+            elif node.level >= 2 and node.module:  # ..tiers.reading.stored from pipeline/ or src/tierstate/x/
+                found.add(".".join(node.module.split(".")[: 3 if node.module.startswith("tiers.") else 2]))
             elif (node.module or "").startswith("tierstate."):
-                found.add(".".join(node.module.split(".")[1:3]))
+                parts = node.module.split(".")
+                found.add(".".join(parts[1 : 4 if parts[1] == "tiers" else 3]))
         elif isinstance(node, ast.Import):
-            found |= {".".join(a.name.split(".")[1:3]) for a in node.names if a.name.startswith("tierstate.")}
+            for alias in (a for a in node.names if a.name.startswith("tierstate.")):
+                parts = alias.name.split(".")
+                found.add(".".join(parts[1 : 4 if parts[1] == "tiers" else 3]))
     return found
 
 
@@ -124,7 +150,7 @@ def test_the_pipeline_and_the_integrations_read_checkpoints_only_through_the_sto
     for name, directory in OUTSIDE.items():
         importers |= _imports_of(directory, name)
     reaching = {
-        f: sorted(t for t in ts if t.partition(".")[0] == "tiers" and t.partition(".")[2] in READING_INTERNALS)
+        f: sorted(t for t in ts if t.rpartition(".")[0] == READING and t.rpartition(".")[2] in READING_INTERNALS)
         for f, ts in importers.items()
     }
     assert not {f: ts for f, ts in reaching.items() if ts}
@@ -132,12 +158,14 @@ def test_the_pipeline_and_the_integrations_read_checkpoints_only_through_the_sto
 
 def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("from ..tiers.reader import x\nfrom tierstate.tiers.pieces import y\nfrom .job import z\n")
-    assert _targets(module, "pipeline") == {"tiers.reader", "tiers.pieces", "pipeline.job"}
+    module.write_text(
+        "from ..tiers.reading.reader import x\nfrom tierstate.tiers.reading.pieces import y\nfrom .job import z\n"
+    )
+    assert _targets(module, "pipeline") == {"tiers.reading.reader", "tiers.reading.pieces", "pipeline.job"}
 
 
 INTEGRATIONS = OUTSIDE["integrations"]
-FACADE_AND_READ_OBJECT = {"tierstate", "tierstate.errors", "tierstate.tiers.stored"}
+FACADE_AND_READ_OBJECT = {"tierstate", "tierstate.errors", "tierstate.tiers.reading.stored"}
 SRC = REPO / "src" / "tierstate"
 #: What ``from tierstate import NAME`` may name besides the facade's attributes: a module or subpackage.
 SUBMODULES = {*PACKAGES, *(p.stem for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists())}
@@ -181,11 +209,11 @@ def test_the_facade_imports_no_integration() -> None:
 def test_the_facade_check_sees_every_way_past_it(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
-        "from tierstate import Runner\nfrom ..tiers.stored import StoredCheckpoint\nfrom .copies import x\n"
+        "from tierstate import Runner\nfrom ..tiers.reading.stored import StoredCheckpoint\nfrom .copies import x\n"
         "import torch\nfrom tierstate.errors import TierstateError\n"
-        "def f():\n    from ..pipeline.runner import Runner\n    import tierstate.tiers.filesystem\n"
+        "def f():\n    from ..pipeline.runner import Runner\n    import tierstate.tiers.storage.filesystem\n"
         "from ..providers import layout\nfrom .. import tiers\n"
     )
     assert _beyond_facade(module) == {
-        "tierstate.pipeline.runner", "tierstate.tiers.filesystem", "tierstate.providers", "tierstate.tiers"
+        "tierstate.pipeline.runner", "tierstate.tiers.storage.filesystem", "tierstate.providers", "tierstate.tiers"
     }

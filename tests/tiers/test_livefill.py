@@ -1,4 +1,4 @@
-"""Restoring straight into live tensors (tiers/livefill.py): verified first, then read once into them.
+"""Restoring straight into live tensors (tiers/reading/livefill.py): verified first, then read once into them.
 
 Real checkpoints written by a runner (1 MiB chunks, so a 3 MiB tensor spans frames and small ones
 share one), real tensors as destinations, real bytes flipped in the data file. A damaged copy fails
@@ -14,7 +14,7 @@ import torch
 
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, OptimizerProvider, TensorDictProvider
-from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint
+from tierstate.tiers.reading.stored import CorruptCheckpointError, StoredCheckpoint
 
 MiB = 1 << 20
 
@@ -69,7 +69,7 @@ def test_fill_live_fills_the_live_tensors_themselves_bit_exact(make_runner, stag
 
 
 def test_a_piece_larger_than_the_staging_block_is_staged_block_by_block(make_runner) -> None:
-    from tierstate.tiers.livefill import STAGING
+    from tierstate.tiers.reading.livefill import STAGING
 
     weights = {"huge": torch.randn(9 * STAGING // 4)}  # 9 staging blocks of float32, in 8 MiB frames: 2 per piece
     runner = make_runner(chunk_size="8MiB", host_cache__size="32MiB")

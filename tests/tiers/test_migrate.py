@@ -16,12 +16,12 @@ import torch
 from conftest import REPO
 from tierstate import cli
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.format import ManifestError
-from tierstate.tiers.migrate import MigrateError, migrate
-from tierstate.tiers.pacing import Pacer
-from tierstate.tiers.stored import CorruptCheckpointError, load
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.format import ManifestError
+from tierstate.tiers.ops.migrate import MigrateError, migrate
+from tierstate.tiers.ops.pacing import Pacer
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.reading.stored import CorruptCheckpointError, load
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 MiB = 1 << 20
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstate.tiers.names import (
+from tierstate.tiers.format.names import (
     RankFile,
     data_file_name,
     data_file_rank,
@@ -20,7 +20,7 @@ from tierstate.tiers.names import (
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Modules that still spell the grammar out themselves, until they import it from tiers/names.py.
+# Modules that still spell the grammar out themselves, until they import it from tiers/format/names.py.
 PENDING: set[str] = set()
 
 
@@ -64,9 +64,9 @@ def _spells_rank_names(path: Path) -> bool:
 
 
 def test_rank_file_names_are_spelled_out_only_in_names() -> None:
-    sources = [p for folder in ("pipeline", "providers", "tiers") for p in (REPO / folder).glob("*.py")]
+    sources = [p for folder in ("pipeline", "providers", "tiers") for p in (REPO / folder).rglob("*.py")]
     spelled = {str(p.relative_to(REPO)) for p in sources if _spells_rank_names(p)}
-    assert spelled == {"tiers/names.py"} | PENDING, "build and parse rank file names with tiers/names.py"
+    assert spelled == {"tiers/format/names.py"} | PENDING, "build and parse rank file names with tiers/format/names.py"
 
 
 @pytest.mark.parametrize(
@@ -84,9 +84,9 @@ def test_step_names_are_parsed_strictly(name: str, step: int | None) -> None:
 def test_a_tier_lists_no_step_under_a_name_that_is_not_its_own(tmp_path: Path) -> None:
     """A stray ``step-04`` (a committed checkpoint's files, copied in by hand) is no step 4: not listed,
     not named invalid as step 4, not restored; nor is a ``step-05.partial`` a partial gc would remove."""
-    from tierstate.tiers.filesystem import FilesystemTier
-    from tierstate.tiers.format import manifest_bytes
-    from tierstate.tiers.manifest import MANIFEST_NAME, Manifest
+    from tierstate.tiers.format.format import manifest_bytes
+    from tierstate.tiers.format.manifest import MANIFEST_NAME, Manifest
+    from tierstate.tiers.storage.filesystem import FilesystemTier
 
     tier = FilesystemTier("nvme", tmp_path)
     for name in ("step-04", "step-4x", "step-05.partial"):

@@ -1,4 +1,5 @@
-"""Node parts of a multi-rank checkpoint (tiers/nodeparts.py), node names in tier paths (tiers/nodes.py).
+"""Node parts of a multi-rank checkpoint (tiers/storage/nodeparts.py), node names in tier paths
+(tiers/storage/nodes.py).
 
 The two-node runs are in tests/pipeline/test_nodes.py; these check the format rules on their own.
 """
@@ -12,11 +13,11 @@ import pytest
 
 from conftest import DEFAULT_YAML
 from tierstate.pipeline.config import ConfigError, parse_config
-from tierstate.tiers.format import ManifestError, manifest_bytes, parse_manifest
-from tierstate.tiers.manifest import Manifest
-from tierstate.tiers.multirank import RankPart, merge_parts
-from tierstate.tiers.nodeparts import join_parts, node_part
-from tierstate.tiers.nodes import NODE_ENV
+from tierstate.tiers.format.format import ManifestError, manifest_bytes, parse_manifest
+from tierstate.tiers.format.manifest import Manifest
+from tierstate.tiers.format.multirank import RankPart, merge_parts
+from tierstate.tiers.storage.nodeparts import join_parts, node_part
+from tierstate.tiers.storage.nodes import NODE_ENV
 
 
 def rank_manifest(rank: int) -> Manifest:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from tierstate.tiers.objcodec import ObjectCodecError, decode_object, encode_object
+from tierstate.tiers.format.objcodec import ObjectCodecError, decode_object, encode_object
 
 SIDE_EFFECTS: list[str] = []
 

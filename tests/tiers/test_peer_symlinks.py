@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tierstate import Runner, TensorDictProvider, TierError
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.peers import kept_for, peer_copies, returned_from
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.peers import kept_for, peer_copies, returned_from
 
 
 @pytest.fixture

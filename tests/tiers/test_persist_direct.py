@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstate.tiers import faults
-from tierstate.tiers.container import Chunk, ChunkEntry
-from tierstate.tiers.format import checksum, piece_body
-from tierstate.tiers.framefile import DIRECT_ALIGN, FrameFile
-from tierstate.tiers.hostcache import HostCache, Slab
+from tierstate.tiers.format.container import Chunk, ChunkEntry
+from tierstate.tiers.format.format import checksum, piece_body
+from tierstate.tiers.format.framefile import DIRECT_ALIGN, FrameFile
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.hostcache import HostCache, Slab
 
 SLAB = 1 << 20
 

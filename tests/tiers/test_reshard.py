@@ -10,13 +10,13 @@ from conftest import DEFAULT_YAML
 from tierstate.pipeline.assign import balance
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, ShardInfo, TensorDictProvider, TensorItem
-from tierstate.tiers.boxes import Box, tiling_problem
-from tierstate.tiers.format import ManifestError, now_iso
-from tierstate.tiers.manifest import Manifest
-from tierstate.tiers.multirank import RankPart, merge_parts, rank_view
-from tierstate.tiers.records import FileRecord, ObjectRecord, PerRankRecord, ShardRecord, TensorRecord
-from tierstate.tiers.reshard import Region, read_regions
-from tierstate.tiers.stored import CorruptCheckpointError, load
+from tierstate.tiers.format.format import ManifestError, now_iso
+from tierstate.tiers.format.manifest import Manifest
+from tierstate.tiers.format.multirank import RankPart, merge_parts, rank_view
+from tierstate.tiers.format.records import FileRecord, ObjectRecord, PerRankRecord, ShardRecord, TensorRecord
+from tierstate.tiers.reading.boxes import Box, tiling_problem
+from tierstate.tiers.reading.reshard import Region, read_regions
+from tierstate.tiers.reading.stored import CorruptCheckpointError, load
 
 MiB = 1 << 20
 

@@ -14,11 +14,11 @@ import torch
 from conftest import REPO
 from tierstate import cli
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.locks import reading
-from tierstate.tiers.migrate import migrate
-from tierstate.tiers.policy import FlushPolicy, RetentionPolicy
-from tierstate.tiers.retention import TierPolicies, collect_garbage, prune
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.ops.policy import FlushPolicy, RetentionPolicy
+from tierstate.tiers.ops.retention import TierPolicies, collect_garbage, prune
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.locks import reading
 
 
 @pytest.fixture

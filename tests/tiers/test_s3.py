@@ -20,11 +20,11 @@ from s3server import FaultyProxy
 
 from conftest import REPO
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import CheckpointExistsError, FilesystemTier, TierError
-from tierstate.tiers.objstore import ObjectStore, parse_s3_url
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.source import ByteSource
-from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint, load
+from tierstate.tiers.reading.source import ByteSource
+from tierstate.tiers.reading.stored import CorruptCheckpointError, StoredCheckpoint, load
+from tierstate.tiers.storage.filesystem import CheckpointExistsError, FilesystemTier, TierError
+from tierstate.tiers.storage.objstore import ObjectStore, parse_s3_url
+from tierstate.tiers.storage.s3tier import S3Tier
 
 # The server and a fresh bucket per test (tests/tiers/s3server.py).
 endpoint = s3server.endpoint
@@ -172,9 +172,9 @@ def test_drops_and_throttling_are_retried(endpoint, bucket, nvme_step, tmp_path)
 _KILLED_UPLOAD = """
 import sys
 from pathlib import Path
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 nvme = FilesystemTier("nvme", Path(sys.argv[1]))
 tier = S3Tier("bucket", ObjectStore("bucket", sys.argv[2], endpoint_url=sys.argv[3], part_size=5 << 20, workers=1))
 tier.upload(nvme.step_dir(5), nvme.manifest(5))

@@ -1,6 +1,6 @@
 """Upload claims on a real S3-protocol server: two writers never upload objects of one step at once, so
 the checkpoint that wins the manifest's conditional put is intact, and a killed writer's claim neither
-blocks its own host for ever nor outlives gc (tiers/s3claim.py). The races themselves (equal creation
+blocks its own host for ever nor outlives gc (tiers/storage/s3claim.py). The races themselves (equal creation
 times, two takeovers of one stale claim, gc beside an upload) are in tests/faults/test_bucket_attacks.py."""
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import s3server
 
 from tierstate import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier, TierError
-from tierstate.tiers.manifest import Manifest
-from tierstate.tiers.nodeparts import node_part
-from tierstate.tiers.objstore import ObjectChangedError, ObjectStore
-from tierstate.tiers.s3claim import CLAIM_NAME, alive_here, claim_is_live, claim_step, release_step
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.stored import StoredCheckpoint
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.format.manifest import Manifest
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage.filesystem import FilesystemTier, TierError
+from tierstate.tiers.storage.nodeparts import node_part
+from tierstate.tiers.storage.objstore import ObjectChangedError, ObjectStore
+from tierstate.tiers.storage.s3claim import CLAIM_NAME, alive_here, claim_is_live, claim_step, release_step
+from tierstate.tiers.storage.s3tier import S3Tier
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket

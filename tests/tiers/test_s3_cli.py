@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from tierstate.cli import main
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.stored import load
+from tierstate.tiers.reading.stored import load
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket

@@ -1,4 +1,4 @@
-"""Buckets under the one rule for what is due where (tiers/due.py), against a real S3-protocol server.
+"""Buckets under the one rule for what is due where (tiers/ops/due.py), against a real S3-protocol server.
 
 A bucket is a flush target like a directory: its handle future resolves, its receipt frees the local
 copy by retention, ``ls`` and ``tierstate flush`` see what it still has to receive. A bucket that fails
@@ -32,11 +32,11 @@ from tierstate import cli
 from tierstate.pipeline.config import parse_config
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers import faults
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.stored import StoredCheckpoint
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket

@@ -22,9 +22,9 @@ from tierstate.pipeline.config import ConfigError
 from tierstate.pipeline.fresh import ExistingCheckpointsError
 from tierstate.pipeline.restore import NoCheckpointError
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier, TierError
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.storage.filesystem import FilesystemTier, TierError
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 
 # The server and a fresh bucket per test (tests/tiers/s3server.py).
 endpoint = s3server.endpoint

@@ -15,8 +15,8 @@ import s3server
 from lightning_sized import Sized, sized_data, sized_trainer
 
 from tierstate.integrations.lightning import LightningCheckpointError, load_from_checkpoint, read_pointer
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket

@@ -22,11 +22,11 @@ import s3server
 
 from conftest import REPO
 from launch import run_side_by_side
-from tierstate.tiers import faults
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.objstore import ObjectStore
-from tierstate.tiers.s3tier import S3Tier
-from tierstate.tiers.verify import verify_step
+from tierstate.tiers.ops.verify import verify_step
+from tierstate.tiers.storage import faults
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.objstore import ObjectStore
+from tierstate.tiers.storage.s3tier import S3Tier
 
 endpoint = s3server.endpoint
 bucket = s3server.bucket

@@ -1,4 +1,4 @@
-"""tiers.safeopen, the only file opens inside a tier: symlinks are never followed, FIFOs never opened
+"""tiers.storage.safeopen, the only file opens inside a tier: symlinks are never followed, FIFOs never opened
 (so nothing blocks), new files are new, and a replace never goes through or over a symlink."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstate.tiers.safeopen import (
+from tierstate.tiers.storage.safeopen import (
     UnsafeFileError,
     create_new,
     make_dir,

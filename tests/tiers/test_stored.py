@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tierstate.providers import ObjectProvider, TensorDictProvider
-from tierstate.tiers.format import ManifestError
-from tierstate.tiers.source import ByteSource, DirectorySource, ShortReadError
-from tierstate.tiers.stored import CorruptCheckpointError, StoredCheckpoint
+from tierstate.tiers.format.format import ManifestError
+from tierstate.tiers.reading.source import ByteSource, DirectorySource, ShortReadError
+from tierstate.tiers.reading.stored import CorruptCheckpointError, StoredCheckpoint
 
 
 class DictSource:
@@ -120,7 +120,7 @@ def test_a_manifest_for_another_step_is_refused(make_runner) -> None:
 
 
 def test_locked_holds_the_read_lock_on_a_directory(make_runner) -> None:
-    from tierstate.tiers.locks import InUseError, exclusive
+    from tierstate.tiers.storage.locks import InUseError, exclusive
 
     directory = _saved(make_runner)
     with StoredCheckpoint.locked(directory, 5) as checkpoint:

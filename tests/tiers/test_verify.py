@@ -8,8 +8,8 @@ import torch
 
 from tierstate import cli
 from tierstate.providers import TensorDictProvider
-from tierstate.tiers.filesystem import FilesystemTier
-from tierstate.tiers.migrate import migrate
+from tierstate.tiers.ops.migrate import migrate
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 
 def test_verify_finds_a_flipped_byte_and_restore_falls_back_to_the_good_copy(make_runner, tmp_path, capsys):

@@ -5,12 +5,12 @@ goes through :func:`~tierstate.pipeline.config.load_config`, so a key written tw
 anywhere (under ``pipeline:`` too) and every bad value are refused with the file and the key path,
 and relative tier paths are resolved as the runner resolves them (against the working directory, see
 ``TierConfig``). ``--tier NAME=PATH`` goes through the same tier model. A bucket (``kind: s3`` in
-the YAML, or ``--tier NAME=s3://bucket/prefix``) is a :class:`~tiers.bucketcmds.BucketPolicies`,
+the YAML, or ``--tier NAME=s3://bucket/prefix``) is a :class:`~cli.buckets.BucketPolicies`,
 its endpoint the YAML's ``endpoint_url``, else ``--endpoint-url``, else ``$AWS_ENDPOINT_URL``
 (botocore reads it), its credentials the standard AWS chain; it is checked (credentials, bucket)
 when built, so a command fails at once naming it. A config the runner refuses
 is one the CLI refuses: retention read differently by the two could delete checkpoints the runner
-keeps. The commands (tiers/commands.py) take the tiers and policies built here, never YAML.
+keeps. The commands (src/tierstate/cli/commands.py) take the tiers and policies built here, never YAML.
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ from typing import TypeVar
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from tierstate.errors import UsageError
+
 from ..pipeline.config import load_config, parse_tiers
 from ..pipeline.config_schema import TierConfig
 from ..pipeline.packaged import packaged_configs
 from ..suggest import did_you_mean
-from ..tiers.commands import UsageError
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.nodes import as_node
-from ..tiers.objstore import ObjectStore
-from ..tiers.policy import FlushPolicy, RetentionPolicy
-from ..tiers.retention import BucketPolicies, TierPolicies
-from ..tiers.s3tier import S3Tier
-from ..tiers.s3url import endpoint_problem
+from ..tiers.ops.policy import FlushPolicy, RetentionPolicy
+from ..tiers.ops.retention import BucketPolicies, TierPolicies
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.nodes import as_node
+from ..tiers.storage.objstore import ObjectStore
+from ..tiers.storage.s3tier import S3Tier
+from ..tiers.storage.s3url import endpoint_problem
 
 AnyPolicies = TierPolicies | BucketPolicies
 P = TypeVar("P", bound=AnyPolicies)

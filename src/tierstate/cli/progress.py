@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.progress import Progress as Bars
 
-from ..tiers.commands import Advance, Progress, no_progress
+from .commands import Advance, Progress, no_progress
 
 
 @contextmanager

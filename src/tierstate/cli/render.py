@@ -19,11 +19,11 @@ from typing import Any
 
 from rich.filesize import decimal
 
-from ..tiers.commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
-from ..tiers.migrate import MigrateReport
-from ..tiers.pending import FlushOutcome, FlushRun
-from ..tiers.retention import Leftover
-from ..tiers.verify import VerifyResult
+from ..tiers.ops.migrate import MigrateReport
+from ..tiers.ops.pending import FlushOutcome, FlushRun
+from ..tiers.ops.retention import Leftover
+from ..tiers.ops.verify import VerifyResult
+from .commands import Exported, ExportFailure, MigrateFailure, Pruning, VerifySkipped
 from .tables import table
 
 

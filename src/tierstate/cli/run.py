@@ -1,7 +1,7 @@
 """Running a parsed ``tierstate`` command line: options in, tiers and policies out, a command called,
 its results rendered.
 
-The commands (tiers/commands.py) take tier objects and return data; the tiers come from
+The commands (src/tierstate/cli/commands.py) take tier objects and return data; the tiers come from
 ``options`` (read as the runner reads them), the output from ``render``. Bad input (a
 :class:`UsageError`, a config error, a file that is no checkpoint) is answered with one line per
 line of the error on stderr and exit code 2; any other deliberate error with exit code 1.
@@ -19,28 +19,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import get_args
 
-from tierstate.errors import TierstateError
+from tierstate.errors import TierstateError, UsageError
 
 from ..pipeline.config import ConfigError
 from ..pipeline.packaged import packaged_config, packaged_configs
 from ..suggest import did_you_mean
-from ..tiers import commands
-from ..tiers.bucketcmds import bucket_entries, bucket_garbage
-from ..tiers.commands import MigrateFailure, Pruning, UsageError
-from ..tiers.convert import Format
-from ..tiers.export import ExportFormat
-from ..tiers.filesystem import FilesystemTier
-from ..tiers.format import ManifestError
-from ..tiers.hfdir import MAX_SHARD_SIZE
-from ..tiers.migrate import MigrateReport
-from ..tiers.names import parse_step_name
-from ..tiers.pacing import Pacer
-from ..tiers.pending import FlushOutcome, flush_by_hand, mark_pending, pending_flushes
-from ..tiers.policy import RetentionPolicy
-from ..tiers.retention import collect_garbage, graph_of
-from ..tiers.stored import Location, StoredCheckpoint
-from ..tiers.tier import Tier
-from . import options, render
+from ..tiers.format.convert import Format
+from ..tiers.format.format import ManifestError
+from ..tiers.format.names import parse_step_name
+from ..tiers.ops.export import ExportFormat
+from ..tiers.ops.hfdir import MAX_SHARD_SIZE
+from ..tiers.ops.migrate import MigrateReport
+from ..tiers.ops.pacing import Pacer
+from ..tiers.ops.pending import FlushOutcome, flush_by_hand, mark_pending, pending_flushes
+from ..tiers.ops.policy import RetentionPolicy
+from ..tiers.ops.retention import collect_garbage, graph_of
+from ..tiers.reading.stored import Location, StoredCheckpoint
+from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.tier import Tier
+from . import commands, options, render
+from .buckets import bucket_entries, bucket_garbage
+from .commands import MigrateFailure, Pruning
 from .progress import byte_progress
 from .s3 import run_s3
 from .stats import show_stats, write_trace

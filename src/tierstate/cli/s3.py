@@ -1,10 +1,10 @@
-"""``tierstate s3 ACTION s3://bucket/prefix``: the CLI on a bucket tier (tiers/s3tier.py).
+"""``tierstate s3 ACTION s3://bucket/prefix``: the CLI on a bucket tier (tiers/storage/s3tier.py).
 
 ls, verify, push (a directory tier's step up), pull (a step down to a directory tier), prune and gc.
 The endpoint is ``--endpoint-url`` or ``$AWS_ENDPOINT_URL`` (botocore reads it), credentials the
 standard AWS chain. verify reads every frame through the bucket's byte source (ranged GETs), as
 ``tierstate verify --tier NAME=s3://...`` does. The regular commands take ``s3://`` tiers too
-(tiers/bucketcmds.py); these stay for the scripts that use them.
+(src/tierstate/cli/buckets.py); these stay for the scripts that use them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..tiers.s3tier import S3Tier
+    from ..tiers.storage.s3tier import S3Tier
 
 
 def add_parser(sub: Any) -> None:  # argparse's private subparsers type
@@ -61,7 +61,7 @@ def _emit(args: argparse.Namespace, lines: list[str], data: object) -> None:
 
 def _stored_bytes(tier: S3Tier, step: int) -> int:
     """What verifying ``step`` reads, for its progress bar; 0 if its manifest does not read (verify says why)."""
-    from ..tiers.format import ManifestError
+    from ..tiers.format.format import ManifestError
 
     try:
         return tier.manifest(step).stored_bytes
@@ -71,7 +71,7 @@ def _stored_bytes(tier: S3Tier, step: int) -> int:
 
 def _listed(tier: S3Tier, step: int) -> dict[str, Any]:
     """``s3 ls``'s row of a step with a manifest: committed, or invalid (its manifest does not read) and why."""
-    from ..tiers.format import ManifestError
+    from ..tiers.format.format import ManifestError
 
     try:
         return {"step": step, "state": "committed", "created": tier.manifest(step).created}
@@ -81,12 +81,13 @@ def _listed(tier: S3Tier, step: int) -> dict[str, Any]:
 
 def run_s3(args: argparse.Namespace) -> int:
     # Imported here: the parser imports this module, and --help answers without importing torch.
-    from ..tiers.commands import UsageError
-    from ..tiers.filesystem import FilesystemTier
-    from ..tiers.objstore import ObjectStore
-    from ..tiers.policy import RetentionPolicy
-    from ..tiers.s3tier import S3Tier
-    from ..tiers.verify import verify_step
+    from tierstate.errors import UsageError
+
+    from ..tiers.ops.policy import RetentionPolicy
+    from ..tiers.ops.verify import verify_step
+    from ..tiers.storage.filesystem import FilesystemTier
+    from ..tiers.storage.objstore import ObjectStore
+    from ..tiers.storage.s3tier import S3Tier
     from . import options
     from .progress import byte_progress
     from .render import size

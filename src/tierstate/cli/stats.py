@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..pipeline.trace import chrome_trace
-from ..tiers.manifest import Manifest
-from ..tiers.rankstats import RankStatsRecord
-from ..tiers.stored import Location, StoredCheckpoint
+from ..tiers.format.manifest import Manifest
+from ..tiers.format.rankstats import RankStatsRecord
+from ..tiers.reading.stored import Location, StoredCheckpoint
 from .tables import columns
 
 _COLUMNS = ("stage", "units", "passed", "bytes", "seconds", "busy s", "GB/s", "queue peak/bound")

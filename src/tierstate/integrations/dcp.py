@@ -40,7 +40,7 @@ import torch
 
 from tierstate import ExportReport, ObjectCodecError, Serializer, TierstateError, layout
 
-from ..tiers.stored import StoredCheckpoint
+from ..tiers.reading.stored import StoredCheckpoint
 from .dcp_metadata import ForbiddenGlobalError, restricted_reader
 
 LAYOUT_FILE = "tierstate.json"

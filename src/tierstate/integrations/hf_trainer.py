@@ -53,7 +53,7 @@ from typing_extensions import override
 
 from tierstate import CheckpointHandle, ObjectProvider, PipelineConfig, RNGProvider, Runner, TierstateError
 
-from ..tiers.stored import StoredCheckpoint, read_first_clean
+from ..tiers.reading.stored import StoredCheckpoint, read_first_clean
 
 TRAINER_STATE_NAME = "trainer_state.json"  # the file HF's resume path reads the TrainerState from
 TRAINER_STATE_KEY = "trainer/value"  # the checkpoint item holding that file's text

@@ -66,13 +66,13 @@ from tierstate import (
     storage_of,
 )
 
-from ..tiers.stored import read_first_clean
+from ..tiers.reading.stored import read_first_clean
 from . import needs_extra
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
 
-    from ..tiers.stored import StoredCheckpoint
+    from ..tiers.reading.stored import StoredCheckpoint
 
 log = logging.getLogger("tierstate")
 
