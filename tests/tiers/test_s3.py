@@ -162,9 +162,12 @@ def test_drops_and_throttling_are_retried(endpoint, bucket, nvme_step, tmp_path)
         tier.download(5, target)
         assert _same(load(target.step_dir(5)), expected)
         assert proxy.seen > 11
-        proxy.plan = ["503"] * 50  # throttled for good: fails, naming the tier, after its retries
+        # Throttled for good: fails, naming the tier, after its retries (one, here: each waits up to twice as
+        # long as the one before, 20 s in all for the default 5).
+        impatient = _tier(proxy.endpoint, f"s3://{bucket}/flaky", retries=1)
+        proxy.plan = ["503"] * 50
         with pytest.raises(TierError, match="tier bucket: cannot list"):
-            tier.steps()
+            impatient.steps()
     finally:
         proxy.close()
 

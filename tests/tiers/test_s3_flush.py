@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ pytest.importorskip("moto.server")
 
 import s3server
 
-from conftest import REPO
+from tierstate.cli import main as cli_main
 from tierstate.pipeline.config import ConfigError
 from tierstate.pipeline.fresh import ExistingCheckpointsError
 from tierstate.pipeline.restore import NoCheckpointError
@@ -176,14 +175,29 @@ def test_the_bucket_as_persist_tier_of_one_process(make_runner, endpoint, bucket
     assert all(torch.equal(restored[k], expected[k]) for k in expected)
 
 
-def _cli(endpoint: str, *args: str) -> subprocess.CompletedProcess:
-    """The real CLI in its own process, the endpoint from $AWS_ENDPOINT_URL as a user sets it."""
-    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
-    command = [sys.executable, "-m", "tierstate", "s3", *args]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+@dataclass(frozen=True)
+class _Done:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_cli_push_ls_verify_pull_prune_gc(make_runner, endpoint, bucket, tmp_path):
+@pytest.fixture
+def s3_cli(endpoint, monkeypatch, capsys) -> Callable[..., _Done]:
+    """``tierstate s3 ARGS`` with the endpoint from $AWS_ENDPOINT_URL, as a user sets it; in this process (a
+    process of its own per command line would add torch's import, 2-3 s each, and test nothing more: the
+    README's s3 commands run as processes, tests/readme)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+
+    def run(*args: str) -> _Done:
+        code = cli_main(["s3", *args])
+        out, err = capsys.readouterr()
+        return _Done(code, out, err)
+
+    return run
+
+
+def test_cli_push_ls_verify_pull_prune_gc(make_runner, endpoint, bucket, tmp_path, s3_cli):
     runner = make_runner(chunk_size="1MiB")
     runner.register(model=TensorDictProvider({"w": torch.randn(MiB)}))
     for step in (1, 2):
@@ -191,29 +205,29 @@ def test_cli_push_ls_verify_pull_prune_gc(make_runner, endpoint, bucket, tmp_pat
     runner.close()
     url = f"s3://{bucket}/cli"
     for step in ("1", "2"):
-        pushed = _cli(endpoint, "push", url, step, "--from", str(tmp_path / "nvme"))
+        pushed = s3_cli("push", url, step, "--from", str(tmp_path / "nvme"))
         assert pushed.returncode == 0 and "copied" in pushed.stdout, pushed.stderr
     tier = S3Tier("bucket", ObjectStore("bucket", url, endpoint_url=endpoint))
     tier.store.put_bytes("step-3/rank-00000.data", b"left by a killed writer")
-    listed = json.loads(_cli(endpoint, "ls", url, "--json").stdout)
+    listed = json.loads(s3_cli("ls", url, "--json").stdout)
     states = [(r["step"], r["state"].split()[0]) for r in listed]
     assert states == [(1, "committed"), (2, "committed"), (3, "incomplete")]
-    assert _cli(endpoint, "verify", url).returncode == 0
-    pulled = _cli(endpoint, "pull", url, "2", "--to", str(tmp_path / "elsewhere"))
+    assert s3_cli("verify", url).returncode == 0
+    pulled = s3_cli("pull", url, "2", "--to", str(tmp_path / "elsewhere"))
     assert pulled.returncode == 0, pulled.stderr
     assert pulled.stdout.endswith(" (4.2 MB)\n"), pulled.stdout  # sizes as the progress bars write them
     assert FilesystemTier("elsewhere", tmp_path / "elsewhere").steps() == [2]
     data = bytearray(tier.store.get_bytes("step-1/rank-00000.data"))
     data[100] ^= 1
     tier.store.put_bytes("step-1/rank-00000.data", bytes(data))
-    bad = _cli(endpoint, "verify", url)
+    bad = s3_cli("verify", url)
     assert bad.returncode == 1 and "step 1" in bad.stdout and "rank-00000.data frame 0" in bad.stdout
-    assert _cli(endpoint, "prune", url, "--keep-last", "1").returncode == 0
+    assert s3_cli("prune", url, "--keep-last", "1").returncode == 0
     assert tier.steps() == [2]
-    gc = _cli(endpoint, "gc", url, "--older-than", "0")
+    gc = s3_cli("gc", url, "--older-than", "0")
     assert gc.returncode == 0 and "orphan object" in gc.stdout
     assert tier.incomplete_steps() == set()
-    missing = _cli(endpoint, "ls", "s3://no-such-bucket-x/p")
+    missing = s3_cli("ls", "s3://no-such-bucket-x/p")
     assert missing.returncode == 1 and "bucket 'no-such-bucket-x' does not exist" in missing.stderr
 
 
