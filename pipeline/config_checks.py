@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 
 from ..tiers.format.hdf5_extra import HDF5_NEEDS_H5PY
-from .config_schema import ConfigSchema, PersistStage
+from .config_schema import ConfigSchema
+from .config_stages import PersistStage
 from .stage_graph import chain_problems
 
 

@@ -12,17 +12,13 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, overload
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    BeforeValidator,
     ByteSize,
-    ConfigDict,
     Field,
     StrictBool,
     StrictInt,
@@ -37,12 +33,17 @@ from ..tiers.ops.policy import FlushGraph, FlushPolicy, RetentionPolicy
 from ..tiers.storage.nodes import expand_node
 from ..tiers.storage.s3url import endpoint_problem, s3_url_problem
 from .config_errors import ConfigError, read_yaml
+from .config_stages import (
+    CompressStage,
+    MiB,
+    PersistStage,
+    PipelineSpec,
+    StageConfig,
+    StageKind,
+    Strict,
+    at_least,
+)
 from .packaged import DEFAULT_NAME, packaged_config
-
-MiB = 1 << 20
-
-StageKind = Literal["capture", "serialize", "compress", "persist"]
-STAGE_KINDS: tuple[str, ...] = typing.get_args(StageKind)
 
 # The default chunk: each chunk is handed between pipeline threads, and each hand-over takes the GIL from
 # the trainer for a moment; 64MiB chunks cost a Python-bound trainer 1.6-2x less step time than 16MiB,
@@ -67,18 +68,6 @@ def _size_or_none(value: object) -> int | None:
         return None
 
 
-def _at_least(minimum: int) -> AfterValidator:
-    """A size lower bound whose message is in human units (``1.0MiB``), not raw byte counts."""
-
-    def check(value: ByteSize) -> ByteSize:
-        if value < minimum:
-            floor = ByteSize(minimum).human_readable()
-            raise ValueError(f"must be at least {floor}, got {value.human_readable()}")
-        return value
-
-    return AfterValidator(check)
-
-
 def _power_of_two_alignment(value: ByteSize) -> ByteSize:
     """Frames are aligned for O_DIRECT, which needs a power of two from the sector size (512) up."""
     if not 512 <= value <= MiB or value & (value - 1):
@@ -86,21 +75,14 @@ def _power_of_two_alignment(value: ByteSize) -> ByteSize:
     return value
 
 
-class _Strict(BaseModel):
-    """Base for every section: unknown keys are errors (typos must not be silently ignored), and a
-    loaded config is immutable because runner threads share it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HostCacheConfig(_Strict):
+class HostCacheConfig(Strict):
     """The fixed host buffer pool; allocated once so memory stays bounded and pinning is paid once."""
 
     size: ByteSize = ByteSize(256 * MiB)
     pinned: Literal["auto", True, False] = "auto"
 
 
-class TierConfig(_Strict):
+class TierConfig(Strict):
     """One durable filesystem tier (local NVMe, a parallel file system mount, any directory).
 
     ``retention`` says which checkpoints it keeps; ``flush`` makes it receive background copies of
@@ -122,7 +104,7 @@ class TierConfig(_Strict):
     path: Path
     kind: Literal["disk", "memory"] = "disk"
     scope: Literal["node", "shared"] = "shared"
-    size: Annotated[ByteSize, _at_least(1)] | None = None
+    size: Annotated[ByteSize, at_least(1)] | None = None
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
     replicas: Annotated[int, Field(ge=0, le=1)] = 0
@@ -160,7 +142,7 @@ def _told(problem_of: Callable[[str], str | None]) -> Callable[[str], str]:
     return check
 
 
-class S3TierConfig(_Strict):
+class S3TierConfig(Strict):
     """A tier in an S3-compatible bucket (AWS S3, MinIO, Ceph RGW, GCS's S3 API): ``kind: s3``.
 
     ``url`` is ``s3://bucket/prefix``; ``endpoint_url`` a server other than AWS's (MinIO, a local
@@ -185,104 +167,7 @@ class S3TierConfig(_Strict):
     staging_scope: Literal["node", "shared"] = "shared"
 
 
-class StageBase(_Strict):
-    """Fields every stage has: its worker thread count, the bound of its input queue, its successor."""
-
-    kind: StageKind
-    # 0: no threads of its own; the threads of the stage before it run it too (pipeline/lanes.py).
-    workers: Annotated[StrictInt, Field(ge=0)] = 1
-    queue: Annotated[StrictInt, Field(ge=1)] = 4
-    next: str | None = None
-
-
-def capture_workers_for_host() -> int:
-    """``workers: auto`` of capture: the cores this process may run on, less one kept for the
-    trainer's own thread, between 1 and 2. Each capture worker copies and checksums at memory speed;
-    on a 2-core host a second one only takes the core the trainer needs (measured: it doubled a
-    Python-bound trainer's step-time inflation), and two already copy faster than a disk writes."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(2, cores - 1))
-
-
-def _auto_workers(value: object) -> object:
-    if isinstance(value, str):
-        if value != "auto":
-            raise ValueError(f"must be a whole number of workers or 'auto', got {value!r}")
-        return capture_workers_for_host()
-    return value
-
-
-class CaptureStage(StageBase):
-    """Copies device tensors into host-cache slabs (lazy: overlapped with forward/backward)."""
-
-    kind: Literal["capture"] = "capture"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
-    # ``auto`` (the default) is resolved when the config loads: capture_workers_for_host().
-    workers: Annotated[StrictInt, Field(ge=1), BeforeValidator(_auto_workers)] = Field(
-        default_factory=capture_workers_for_host
-    )
-
-
-class SerializeStage(StageBase):
-    """Lays items out as frames in chunks and serializes metadata and Python objects."""
-
-    kind: Literal["serialize"] = "serialize"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
-
-
-class CompressStage(StageBase):
-    """Optional compression of chunks; ``codec: none`` keeps the stage but passes bytes through."""
-
-    kind: Literal["compress"] = "compress"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
-    codec: Literal["none", "zstd"] = "zstd"
-    level: Annotated[StrictInt, Field(ge=-7, le=22)] = 1  # configs/compressed.yaml says why
-    threads: Annotated[StrictInt, Field(ge=0)] = 0
-    # Byte-shuffle by the chunk's element size before zstd (auto), or compress the bytes as they are (off).
-    shuffle: Literal["auto", "off"] = "auto"
-
-
-class PersistStage(StageBase):
-    """Writes chunks to the first durable tier; ``bandwidth`` (bytes/s) throttles it, null = unlimited."""
-
-    kind: Literal["persist"] = "persist"  # pyright: ignore[reportIncompatibleVariableOverride]  (the union tag)
-    tier: str
-    bandwidth: Annotated[ByteSize, _at_least(1)] | None = None
-    # Transient write errors (ENOSPC, EIO, ...) of a frame or the index are retried this many times,
-    # waiting `backoff` seconds before the first retry and doubling; fsync and commit are never retried.
-    retries: Annotated[StrictInt, Field(ge=0, le=100)] = 0
-    backoff: Annotated[float, Field(gt=0, le=600)] = 0.5
-    # auto: raw slabs are written with O_DIRECT where the file system allows it (no page-cache copy);
-    # buffered: always through the page cache (for file systems whose O_DIRECT path is slow).
-    io: Literal["auto", "buffered"] = "auto"
-    # frames: the tierstate data file; hdf5: an HDF5 file per rank, one dataset per tensor (tiers/format/hdf5.py).
-    format: Literal["frames", "hdf5"] = "frames"
-
-
-StageConfig = Annotated[
-    CaptureStage | SerializeStage | CompressStage | PersistStage,
-    Field(discriminator="kind"),
-]
-
-
-class PipelineSpec(_Strict):
-    """The stage graph: named stages linked by ``next`` into one chain starting at capture."""
-
-    stages: dict[str, StageConfig]
-
-    @field_validator("stages", mode="before")
-    @classmethod
-    def _kind_from_name(cls, stages: Any) -> Any:
-        # Lets the common case (a stage named after its kind) omit `kind` without giving up the
-        # discriminated union, which is what yields per-kind errors at precise key paths.
-        if not isinstance(stages, Mapping):
-            return stages
-        return {
-            name: {**stage, "kind": name}
-            if isinstance(stage, Mapping) and "kind" not in stage and name in STAGE_KINDS
-            else stage
-            for name, stage in stages.items()
-        }
-
-
-class PoliciesConfig(_Strict):
+class PoliciesConfig(Strict):
     """Behaviour choices that are not about moving bytes."""
 
     in_flight: Literal["wait", "skip"] = "wait"
@@ -326,13 +211,13 @@ def _with_source(tier: Any, persist: str) -> Any:
     return {**tier, "flush": {**tier["flush"], "from": persist}}
 
 
-class ConfigSchema(_Strict):
+class ConfigSchema(Strict):
     """The whole spec, each section valid on its own; :class:`~tierstate.pipeline.config.PipelineConfig`
     adds the checks across sections, so only that one is sure to have a well-formed stage chain."""
 
     version: StrictInt = 1
     # Left out: default_chunk_size() of the host cache and the bounded tiers (_default_chunk_size).
-    chunk_size: Annotated[ByteSize, _at_least(MiB)] = ByteSize(DEFAULT_CHUNK)
+    chunk_size: Annotated[ByteSize, at_least(MiB)] = ByteSize(DEFAULT_CHUNK)
     align: Annotated[ByteSize, AfterValidator(_power_of_two_alignment)] = ByteSize(4096)
     host_cache: HostCacheConfig = HostCacheConfig()
     tiers: Tiers

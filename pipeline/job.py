@@ -24,7 +24,7 @@ from ..tiers.storage.filesystem import FilesystemTier
 from ..tiers.storage.hostcache import HostCache
 from .commit import Commit, TierCommit
 from .config import PipelineConfig
-from .config_schema import CaptureStage, CompressStage, PersistStage, SerializeStage, StageConfig
+from .config_stages import CaptureStage, CompressStage, PersistStage, SerializeStage, StageConfig
 from .lanes import Step, lanes_of, run_flow
 from .metrics import CheckpointStats, StageStats
 from .plan import CheckpointPlan, plan_checkpoint

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .config_schema import StageConfig
+from .config_stages import StageConfig
 from .metrics import StageStats
 from .stage_threads import Flow, Handoff, run_workers
 from .trace import marked

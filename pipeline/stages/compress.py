@@ -9,7 +9,7 @@ is a new buffer and the chunk's slab is given back at once.
 from __future__ import annotations
 
 from ...tiers.format import codecs
-from ..config_schema import CompressStage
+from ..config_stages import CompressStage
 from ..stage_threads import Stopped
 from ..units import Chunk, Unit
 from .slabs import HeldSlabs

@@ -21,7 +21,7 @@ from ...tiers.format.container import Chunk, Layout
 from ...tiers.format.format import ManifestBody
 from ...tiers.format.rankwriter import RankWriter, data_file_path
 from ...tiers.ops.pacing import Pacer
-from ..config_schema import PersistStage
+from ..config_stages import PersistStage
 from ..metrics import CheckpointStats
 from ..plan import CheckpointPlan, tensor_layout
 from ..retry import RetryPolicy, storage_call, storage_call_here

@@ -15,7 +15,8 @@ import yaml
 from pydantic import ValidationError
 
 from tierstate.pipeline.config import ConfigError, PipelineConfig, config_path, load_config, parse_config
-from tierstate.pipeline.config_schema import CompressStage, ConfigSchema, PersistStage, capture_workers_for_host
+from tierstate.pipeline.config_schema import ConfigSchema
+from tierstate.pipeline.config_stages import CompressStage, PersistStage, capture_workers_for_host
 from tierstate.pipeline.packaged import packaged_configs
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import TensorDictProvider

@@ -22,7 +22,7 @@ the upload answered (the server's digest: an object rewritten since, by another 
 has another), so it never publishes a step whose objects are not the ones it wrote.
 
 A writer killed mid-checkpoint leaves objects without a manifest, its claim and, mid-upload, an
-incomplete multipart upload (billed, invisible to listings). :meth:`S3Tier.collect_garbage` judges
+incomplete multipart upload (billed, invisible to listings). gc (tiers/storage/s3gc.py) judges
 each step by its claim, never by each object's age alone: nothing of an upload whose claim is live
 is removed (tiers/storage/s3claim.py, :func:`~tiers.storage.s3claim.claim_is_live`), and the rest goes once its
 newest object or uploaded part is older than the grace period.
@@ -33,30 +33,24 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections import defaultdict
 from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from ..format.format import manifest_bytes, parse_manifest
 from ..format.manifest import MANIFEST_NAME, Manifest
-from ..format.names import STEP_PREFIX, parse_step_name, step_name
+from ..format.names import STEP_PREFIX, step_name
 from ..reading.integrity import verify_source
 from ..reading.reader import CorruptCheckpointError
 from ..reading.source import ShortReadError
 from .filesystem import CheckpointExistsError, FilesystemTier, InvalidEntry, Scope, TierError
 from .nodeparts import PART_MARKER_PREFIX, join_parts, part_marker, part_of_marker
-from .objstore import ObjectMissingError, ObjectStore, Progress, StoredObject, Upload
-from .s3claim import CLAIM_NAME, Claim, claim_is_live, claim_key, claim_step, parse_claim, release_step
+from .objstore import ObjectMissingError, ObjectStore, Progress
+from .s3claim import Claim, claim_key, claim_step, release_step
+from .s3gc import Leftover, collect_garbage, committed_steps, step_of_object
 from .safeopen import open_or_create, open_read
-
-
-def step_of_object(name: str) -> int | None:
-    """The step whose prefix holds object ``name`` (``step-N/...``), or None for any other name."""
-    head, slash, _ = name.partition("/")
-    return parse_step_name(head) if slash else None
 
 
 @dataclass(frozen=True)
@@ -77,16 +71,6 @@ class TransferReport:
     bytes: int = 0
     written: dict[str, Written] = field(default_factory=dict, repr=False)  # by file name, what was uploaded
     waiting_for: list[str] = field(default_factory=list)  # a node's part: nodes whose parts are not there yet
-
-
-@dataclass
-class Leftover:
-    """What gc found under the prefix: an orphan object or an incomplete upload, and what it did."""
-
-    what: str  # the s3:// URL of the object, or of the upload's key
-    kind: str  # "orphan object", "stale claim" or "incomplete upload"
-    removed: bool
-    age_s: float = 0.0  # since the object was written, or the upload last received a part
 
 
 class BucketSource:
@@ -171,17 +155,7 @@ class S3Tier:
 
     def steps(self) -> list[int]:
         """Committed steps: those whose manifest object exists."""
-        return sorted(self._committed(self.store.list(STEP_PREFIX)))
-
-    @staticmethod
-    def _committed(objects: list[StoredObject]) -> set[int]:
-        """The steps among ``objects`` whose manifest object is there."""
-        found = set()
-        for o in objects:
-            head, _, rest = o.name.partition("/")
-            if rest == MANIFEST_NAME and (step := parse_step_name(head)) is not None:
-                found.add(step)
-        return found
+        return sorted(committed_steps(self.store.list(STEP_PREFIX)))
 
     def source(self, step: int) -> BucketSource:
         """``step-N`` as a byte source, for :class:`tiers.reading.stored.StoredCheckpoint` to read."""
@@ -416,66 +390,9 @@ class S3Tier:
         """Steps with objects under their prefix and no manifest: not checkpoints (a writer at work, or
         one that was killed)."""
         objects = self.store.list(STEP_PREFIX)
-        return {step for o in objects if (step := step_of_object(o.name)) is not None} - self._committed(objects)
+        return {step for o in objects if (step := step_of_object(o.name)) is not None} - committed_steps(objects)
 
     def collect_garbage(self, older_than: float, dry_run: bool = False) -> list[Leftover]:
-        """Remove what killed writers left, judged step by step by the step's claim: nothing of a step whose
-        claim is live (its writer runs on this host, or, on another host, the claim is younger than
-        ``older_than`` seconds: :func:`~tiers.storage.s3claim.claim_is_live`); of any other step without a
-        manifest, its objects, incomplete multipart uploads and claim once the newest of them is older than
-        ``older_than``; of a committed step, only a claim or incomplete upload left behind, once older. A
-        committed step's data is never touched."""
-        now = datetime.now(UTC)
-        objects: dict[int, list[StoredObject]] = defaultdict(list)
-        uploads: dict[int, list[Upload]] = defaultdict(list)
-        for o in self.store.list(STEP_PREFIX):
-            if (step := step_of_object(o.name)) is not None:
-                objects[step].append(o)
-        for u in self.store.uploads():
-            if (step := step_of_object(u.name)) is not None:
-                uploads[step].append(u)
-        committed = self._committed([o for listed in objects.values() for o in listed])
-        found: list[Leftover] = []
-        for step in sorted(set(objects) | set(uploads)):
-            found += self._step_garbage(step, objects[step], uploads[step], step in committed, older_than, now, dry_run)
-        return found
-
-    def _step_garbage(
-        self,
-        step: int,
-        objects: list[StoredObject],
-        uploads: list[Upload],
-        committed: bool,
-        older_than: float,
-        now: datetime,
-        dry_run: bool,
-    ) -> list[Leftover]:
-        """What :meth:`collect_garbage` removes of one step (see there)."""
-        claim_name = self.step_prefix(step) + CLAIM_NAME
-        claim = next((o for o in objects if o.name == claim_name), None)
-        if claim is not None:
-            try:
-                held = parse_claim(self.store.get_bytes(claim_name))
-            except ObjectMissingError:
-                held, claim = {}, None  # released meanwhile
-            if claim is not None and claim_is_live(held, (now - claim.modified).total_seconds(), older_than):
-                return []  # an upload at work, wherever its objects' ages stand
-        data = [] if committed else [o for o in objects if o.name != claim_name]
-        times = [o.modified for o in [*data, *([claim] if claim else [])]] + [u.last_active for u in uploads]
-        if not times or (now - max(times)).total_seconds() < older_than:
-            return []
-        if not dry_run and claim is not None and not self.store.delete_if(claim.name, claim.etag):
-            return []  # another writer took the step over meanwhile: its upload, not garbage
-        if not dry_run:
-            self.store.delete([o.name for o in data])
-            for upload in uploads:
-                self.store.abort_upload(upload)
-        removed = not dry_run
-        found = [Leftover(self.store.where(o.name), "orphan object", removed, (now - o.modified).total_seconds())
-                 for o in data]  # fmt: skip
-        if claim is not None:
-            found.append(Leftover(self.store.where(claim.name), "stale claim", removed,
-                                  (now - claim.modified).total_seconds()))  # fmt: skip
-        found += [Leftover(self.store.where(u.name), "incomplete upload", removed,
-                           (now - u.last_active).total_seconds()) for u in uploads]  # fmt: skip
-        return found
+        """Remove what killed writers left under the prefix, judged step by step by each step's claim
+        (:func:`tiers.storage.s3gc.collect_garbage`); what was found and done."""
+        return collect_garbage(self.store, older_than, dry_run)
