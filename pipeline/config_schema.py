@@ -177,6 +177,14 @@ class PoliciesConfig(Strict):
     check_capture: StrictBool = False
 
 
+class AgentConfig(Strict):
+    """The node agent (pipeline/agent.py): ``enabled``, flushes and retention run in a process of their own per
+    node that outlives the trainer, niced by ``nice``, instead of in the trainer's process."""
+
+    enabled: StrictBool = False
+    nice: Annotated[StrictInt, Field(ge=0, le=19)] = 10
+
+
 TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]*$")]
 Tiers = Annotated[dict[TierName, TierConfig], Field(min_length=1)]
 TIERS: TypeAdapter[dict[str, TierConfig]] = TypeAdapter(Tiers)
@@ -229,6 +237,7 @@ class ConfigSchema(Strict):
     persist_bucket: TierName | None = None
     pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
+    agent: AgentConfig = AgentConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -83,14 +83,18 @@ class FlushRole:
     wait_s: float = 0.0  # > 0: the global checkpoint is published by whichever node finishes last
 
     @classmethod
-    def of(cls, config: PipelineConfig, group: CheckpointGroup | None, wait_s: float) -> FlushRole:
+    def of(
+        cls, config: PipelineConfig, group: CheckpointGroup | None, wait_s: float, agent: bool = False
+    ) -> FlushRole:
+        """``wait_s``: how long a rank that does not copy waits for a copy to appear (the group timeout).
+        With a node agent running (``agent``, pipeline/agent.py) no rank copies: each waits for the agent's."""
         if group is None:
-            return cls()
+            return cls(copies=not agent, wait_s=wait_s if agent else 0.0)
         if config.tiers[config.persist_tier].scope == "shared":
-            return cls(active=group.is_leader)
+            return cls(active=group.is_leader, copies=not agent, wait_s=wait_s if agent else 0.0)
         node_tiers = frozenset(name for name, tier in config.tiers.items() if tier.scope == "node")
         prunes = None if group.is_leader else node_tiers if group.is_node_leader else frozenset()
-        return cls(copies=group.is_node_leader, prunes=prunes, wait_s=wait_s)
+        return cls(copies=group.is_node_leader and not agent, prunes=prunes, wait_s=wait_s)
 
 
 @dataclass(frozen=True)
@@ -365,7 +369,7 @@ class Flusher:
         while not await run_blocking(self._pool, tier.holds, step):
             if self._loop.time() >= deadline:
                 if report is None:
-                    missing = "other nodes' parts"
+                    missing = "the copy another process makes (the node agent's, or another node's leader's)"
                 else:  # as this node's copy found them
                     missing = f"the part(s) of node(s) {', '.join(report.waiting_for)}, as this node's copy found"
                     missing = f"{missing} ({report.outcome})"

@@ -31,6 +31,7 @@ from ..providers.items import TensorItem
 from ..tiers.storage.filesystem import FilesystemTier
 from ..tiers.storage.s3tier import S3Tier
 from .aftercommit import AfterCommit
+from .agent import AgentLink
 from .agreement import newest_held, restore_checkpoint
 from .buckets import Buckets
 from .config import PipelineConfig, load_config, parse_config
@@ -149,14 +150,19 @@ class Runner:
         # Background flushes along the flush graph, buckets included, and retention (pipeline/flush.py): who
         # does what in FlushRole (many ranks: a shared persist tier's leader copies whole steps, each node's
         # leader its node's part).
-        role = FlushRole.of(config, self._group, group_timeout)
+        # With agent.enabled, a node agent process does the copies (pipeline/agent.py); None if it cannot run.
+        agent = AgentLink.started(config) if config.agent.enabled else None
+        role = FlushRole.of(config, self._group, group_timeout, agent=agent is not None)
         self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._engine.loop, role)
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
         self._peers = PeerLink.of(config, self.tiers, self._group, self._flusher.wait_resumed)
-        # Told of each commit, in commit order, then drained and closed in this order (pipeline/aftercommit.py).
-        self._after: list[AfterCommit] = [self._flusher, *([self._peers] if self._peers is not None else [])]
+        # Told of each commit, in commit order, then drained and closed in this order (pipeline/aftercommit.py);
+        # the agent's link first: a dead agent is started again before a flush waits on it.
+        self._after: list[AfterCommit] = [
+            *([agent] if agent is not None else []), self._flusher, *([self._peers] if self._peers is not None else [])
+        ]
         persist = config.tiers[config.persist_tier]
         self._room = Room.of(self.durable_tier, persist, self._node_ranks(), self._flusher.settle, self._engine.io)
         adopt(self)  # closed at interpreter exit if the trainer forgets, disowned in a forked child

@@ -162,46 +162,62 @@ class FlushRun:
         return any(o.error is not None for o in self.outcomes)
 
 
+def flush_pending(
+    tiers: Sequence[TierPolicies],
+    buckets: Sequence[BucketPolicies] = (),
+    pacers: Mapping[str, Pacer] | None = None,
+    each: Callable[[FlushOutcome], None] | None = None,
+) -> FlushRun:
+    """Every pending flush along the flush graph of ``tiers`` and ``buckets``, oldest first, each from the copy
+    nearest its target (each target as its own outcome, passed to ``each`` as it ends), then retention on
+    every tier. Each target is paced by its pacer in ``pacers`` (by target name; default: one per target at
+    its flush ``bandwidth``). Takes no lock of its own: a copy into a tier goes through that step's partial
+    directory, which two copies never share (tiers/ops/migrate.py), and retention never deletes what is read."""
+    run = FlushRun()
+    graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])
+    pending = pending_flushes(tiers, graph=graph)
+    targets: Mapping[str, Tier] = {**{p.tier.name: p.tier for p in tiers}, **{b.tier.name: b.tier for b in buckets}}
+    if pacers is None:
+        pacers = {edge.target: Pacer(edge.policy.bandwidth) for edge in graph.edges}
+    for item in pending:
+        for name in item.targets:
+            outcome = FlushOutcome(item.step, item.source.name, name)
+            try:
+                outcome.report = transfer(item.step, item.source, targets[name], pacer=pacers[name])
+                note_received([p.tier for p in tiers], item.step, name, item.source, graph)
+            except Exception as exc:  # reported per step; the other steps are still flushed
+                outcome.error = f"{type(exc).__name__}: {exc}"
+                outcome.damaged = give_up_if_damaged(item.source, item.step, name, exc)
+            run.outcomes.append(outcome)
+            if each is not None:
+                each(outcome)
+    run.pruned = prune(tiers, graph=graph)
+    return run
+
+
 def flush_by_hand(
     tiers: Sequence[TierPolicies],
     buckets: Sequence[BucketPolicies] = (),
     pacer: Pacer | None = None,
     each: Callable[[FlushOutcome], None] | None = None,
 ) -> FlushRun:
-    """What a restarted runner does in the background, in the foreground: every pending flush along the
-    flush graph of ``tiers`` and ``buckets``, oldest first, each from the copy nearest its target (each
-    target as its own outcome, passed to ``each`` as it ends), then retention on every tier. Each target
-    is paced to its flush ``bandwidth``, or all of them together to ``pacer`` when given.
+    """What a restarted runner does in the background, in the foreground (``tierstate flush``):
+    :func:`flush_pending`, each target paced to its flush ``bandwidth``, or all of them together to ``pacer``
+    when given.
 
     Holds the writer lock of each source tier meanwhile: InUseError (naming the host and pid) if a
     runner writes it, since that runner resumes these flushes itself. Leftover partial directories on
     a source tier are removed then (nobody writes them while its writer lock is held here).
     """
-    run = FlushRun()
     graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])
-    pending = pending_flushes(tiers, graph=graph)
-    targets: Mapping[str, Tier] = {**{p.tier.name: p.tier for p in tiers}, **{b.tier.name: b.tier for b in buckets}}
-    pacers = {edge.target: pacer or Pacer(edge.policy.bandwidth) for edge in graph.edges}
-    sources = {p.source.name: p.source for p in pending}
+    sources = {p.source.name: p.source for p in pending_flushes(tiers, graph=graph)}
+    pacers = {edge.target: pacer for edge in graph.edges} if pacer is not None else None
     claims = []
     try:
         for tier in sources.values():
             claims.append(claim_tier(tier.root, tier.owner))
             collect_garbage([tier], older_than=0)
-        for item in pending:
-            for name in item.targets:
-                outcome = FlushOutcome(item.step, item.source.name, name)
-                try:
-                    outcome.report = transfer(item.step, item.source, targets[name], pacer=pacers[name])
-                    note_received([p.tier for p in tiers], item.step, name, item.source, graph)
-                except Exception as exc:  # reported per step; the other steps are still flushed
-                    outcome.error = f"{type(exc).__name__}: {exc}"
-                    outcome.damaged = give_up_if_damaged(item.source, item.step, name, exc)
-                run.outcomes.append(outcome)
-                if each is not None:
-                    each(outcome)
-        run.pruned = prune(tiers, graph=graph)
+        return flush_pending(tiers, buckets, pacers, each)
     finally:
         for claim in claims:
             claim.release()
-    return run

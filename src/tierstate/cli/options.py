@@ -26,7 +26,7 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from tierstate.errors import UsageError
 
-from ..pipeline.config import load_config, parse_tiers
+from ..pipeline.config import PipelineConfig, load_config, parse_tiers
 from ..pipeline.config_schema import TierConfig
 from ..pipeline.packaged import packaged_configs
 from ..suggest import did_you_mean
@@ -144,6 +144,14 @@ def tiers_of(args: argparse.Namespace) -> list[TierPolicies]:
         return load_tiers(args.config, args.tier)
     with as_node(args.node):
         return load_tiers(args.config, args.tier)
+
+
+def load_config_at(config: str, node: str | None) -> PipelineConfig:
+    """The whole config of ``--config``, node-scoped tier paths as node ``node`` sees them (``--node``)."""
+    if not node:
+        return load_config(config)
+    with as_node(node):
+        return load_config(config)
 
 
 def must_exist(read: Sequence[FilesystemTier]) -> None:

@@ -178,6 +178,12 @@ def build_parser() -> _Parser:
     )  # fmt: skip
     f.add_argument("--bandwidth", metavar="SIZE", help="bytes per second to use at most, e.g. 200MB")
 
+    command(
+        "agent", "the node agent: flush the persist tier's checkpoints on along the flush graph and apply retention, "
+        "in this process, until no trainer is attached and nothing is left (a runner with agent.enabled starts it; "
+        "a launcher may start it itself with the runner's --config)", [common],
+    )  # fmt: skip
+
     s3.add_parser(sub)
 
     g = command("gc", "remove .partial leftovers older than a bound, and .deleting ones", [common])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -210,6 +211,20 @@ def _interrupted(args: argparse.Namespace, summary: str, document: object) -> in
     return 130
 
 
+def _agent(args: argparse.Namespace) -> int:
+    """The node agent in the foreground (pipeline/agent.py); what it does goes to stderr (its log file)."""
+    from ..pipeline.agent import run_agent
+
+    if not args.config:
+        raise UsageError("agent needs --config: the pipeline YAML (or the config.json a runner wrote) it flushes for")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s tierstate agent %(process)d: %(message)s"))
+    logging.getLogger("tierstate").addHandler(handler)
+    logging.getLogger("tierstate").setLevel(logging.INFO)
+    config = options.load_config_at(args.config, args.node)
+    return run_agent(config, nice=config.agent.nice)
+
+
 def _gc(args: argparse.Namespace) -> int:
     older_than = options.duration(args.older_than, "--older-than")
     tiers, buckets = options.split(options.select(options.every_tier(args), args.only, "--only"))
@@ -297,6 +312,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "verify": _verify,
     "prune": _prune,
     "flush": _flush,
+    "agent": _agent,
     "gc": _gc,
     "export": _export,
     "import": _import,

@@ -1,0 +1,173 @@
+"""The node agent (pipeline/agent.py): flushes out of the memory tier in a process of its own that outlives
+the trainer, one per node, gone once no trainer is attached and nothing is left.
+
+Every trainer here is a real process; the agent is the real ``tierstate agent`` the runner starts. A test
+waits for the agent to end by watching its process (its pid, read from its lock), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import REPO
+from tierstate.pipeline.agent import AgentFiles, agent_pid
+from tierstate.pipeline.config import parse_config
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import TensorDictProvider
+from tierstate.tiers.reading.stored import StoredCheckpoint
+from tierstate.tiers.storage.filesystem import FilesystemTier
+
+MiB = 1 << 20
+
+
+def _layout(root: Path, bandwidth: str | None = None) -> dict[str, Any]:
+    return {
+        "tiers": {
+            "memory": {"kind": "memory", "path": str(root / "memory"), "size": "64MiB", "retention": {"keep_last": 1}},
+            "nvme": {"path": str(root / "nvme"), "flush": {"every": 1, "bandwidth": bandwidth},
+                     "retention": {"keep_last": 3}},
+        },
+        "chunk_size": "1MiB", "host_cache": {"size": "4MiB"}, "agent": {"enabled": True},
+    }  # fmt: skip
+
+
+def _gone(pid: int, within: float) -> bool:
+    """Whether process ``pid`` ends within ``within`` seconds (it is no child of ours: its pid is watched; a
+    zombie its reaper has not collected yet has ended)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)  # polling another process's end: there is nothing of ours to wait on
+    return False
+
+
+def _agent(root: Path) -> int | None:
+    return agent_pid(AgentFiles.of(parse_config(_layout(root))))
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((MiB,), float(step)), "b": torch.arange(7) + step}
+
+
+def test_the_runner_leaves_the_flushes_to_an_agent_that_ends_with_it(tmp_path):
+    runner = Runner.from_dict(_layout(tmp_path))
+    state = _state(0)
+    runner.register(model=TensorDictProvider(state))
+    pid = _agent(tmp_path)
+    assert pid is not None and pid != os.getpid(), "no agent process runs"
+    for step in range(1, 5):
+        state.update(_state(step))
+        handle = runner.checkpoint(step)
+        assert handle.tier_futures["nvme"].result(timeout=60) == tmp_path / "nvme" / f"step-{step}"
+    runner.close()
+    assert runner.flush_failures == []
+    assert _gone(pid, 30), "the agent outlived its last trainer with nothing left to flush"
+    nvme = FilesystemTier("nvme", tmp_path / "nvme")
+    assert nvme.steps() == [2, 3, 4]
+    for step in nvme.steps():
+        read = StoredCheckpoint(nvme.step_dir(step), step).read()
+        assert torch.equal(read["model/w"], _state(step)["w"])
+    assert FilesystemTier("memory", tmp_path / "memory").steps() == [4]
+
+
+# A trainer that checkpoints steps 1..4 with the agent on and prints each durable step, then waits to be killed.
+_TRAINER = """
+import json, sys, torch
+from tierstate.pipeline.runner import Runner
+from tierstate.providers import TensorDictProvider
+runner = Runner.from_dict(json.loads(open(sys.argv[1]).read()))
+state = {"w": torch.zeros(4 << 20)}
+runner.register(model=TensorDictProvider(state))
+for step in range(1, 5):
+    state["w"].fill_(step)
+    runner.checkpoint(step).result()
+    print(step, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_trainers_committed_checkpoints_reach_nvme_through_the_agent(tmp_path):
+    """16 MiB a step at 16 MB/s to NVMe: when the trainer dies, steps are committed in memory and not flushed;
+    the agent flushes every one of them without a restart, then ends."""
+    layout = _layout(tmp_path, bandwidth="16MB")
+    config = tmp_path / "layout.json"
+    config.write_text(json.dumps(layout))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(config)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert trainer.stdout is not None
+    durable = [int(trainer.stdout.readline()) for _ in range(4)]
+    nvme = FilesystemTier("nvme", tmp_path / "nvme")
+    memory = FilesystemTier("memory", tmp_path / "memory")
+    behind = [step for step in durable if step not in nvme.steps()]
+    pid = _agent(tmp_path)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    assert behind, "every step was flushed before the kill: the test would prove nothing"
+    assert pid is not None and _gone(pid, 60), "the agent did not finish and end after its trainer died"
+    assert set(durable) - set(nvme.steps()) <= {1}  # keep_last 3 on NVMe: step 1 may be pruned once 4 is there
+    assert nvme.steps()[-1] == 4 and memory.steps() == [4]
+    for step in nvme.steps():
+        read = StoredCheckpoint(nvme.step_dir(step), step).read()
+        assert torch.equal(read["model/w"], torch.full((4 << 20,), float(step)))
+
+
+def test_a_second_agent_on_a_node_leaves_the_flushes_to_the_first(tmp_path):
+    runner = Runner.from_dict(_layout(tmp_path))
+    runner.register(model=TensorDictProvider(_state(0)))
+    first = _agent(tmp_path)
+    try:
+        files = AgentFiles.of(parse_config(_layout(tmp_path)))
+        second = subprocess.run(
+            [sys.executable, "-m", "tierstate", "agent", "--config", str(files.config)], cwd=REPO, capture_output=True,
+            text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 0, second.stderr
+        assert f"an agent runs on this node already (pid {first})" in second.stderr
+        assert _agent(tmp_path) == first
+    finally:
+        runner.close()
+    assert first is not None and _gone(first, 30)
+
+
+def test_an_agent_that_died_is_started_again_at_the_next_commit(tmp_path):
+    runner = Runner.from_dict(_layout(tmp_path))
+    state = _state(0)
+    runner.register(model=TensorDictProvider(state))
+    first = _agent(tmp_path)
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    assert _gone(first, 30)
+    for step in (1, 2):
+        state.update(_state(step))
+        runner.checkpoint(step).tier_futures["nvme"].result(timeout=60)
+    again = _agent(tmp_path)
+    assert again is not None and again != first
+    runner.close()
+    assert runner.flush_failures == [] and _gone(again, 30)
+    assert FilesystemTier("nvme", tmp_path / "nvme").steps() == [1, 2]
+
+
+@pytest.mark.parametrize("enabled", [True])
+def test_the_agent_config_is_the_runners(tmp_path, enabled):
+    """What the runner writes for its agent reads back as the very config it runs."""
+    config = parse_config(_layout(tmp_path))
+    assert config.agent.enabled is enabled
+    dumped = parse_config(json.loads(json.dumps(config.model_dump(mode="json", by_alias=True))))
+    assert dumped == config
