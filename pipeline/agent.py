@@ -43,7 +43,7 @@ from pathlib import Path
 from tierstate.errors import TierstateError
 
 from ..tiers.ops.pacing import Pacer
-from ..tiers.ops.pending import flush_pending
+from ..tiers.ops.pending import FlushOutcome, flush_pending
 from ..tiers.ops.retention import BucketPolicies, TierPolicies, graph_of
 from ..tiers.storage.filesystem import FilesystemTier
 from ..tiers.storage.safeopen import make_dir, open_or_create, write_durably
@@ -241,6 +241,16 @@ class AgentLink:
         detach(self._files)
 
 
+def _logged(outcome: FlushOutcome) -> None:
+    """One line in the agent's log per copy: what went where, how fast, or why not."""
+    where = f"step {outcome.step}: {outcome.source} -> {outcome.target}"
+    if outcome.report is not None:
+        report = outcome.report
+        log.info("%s: %s, %d bytes in %.3f s", where, report.outcome, report.bytes_copied, report.seconds)
+    else:
+        log.error("%s: %s", where, outcome.error)
+
+
 def load_agent_config(path: Path) -> PipelineConfig:
     return parse_config(json.loads(path.read_text()), source=str(path))
 
@@ -269,10 +279,7 @@ def run_agent(config: PipelineConfig, nice: int = 10, poll_max: float = POLL_MAX
         pacers = {edge.target: Pacer(edge.policy.bandwidth) for edge in graph.edges}
         pause = 0.02
         while True:
-            run = flush_pending(tiers, buckets, pacers)
-            for outcome in run.outcomes:
-                if outcome.error is not None:
-                    log.error("step %d: %s -> %s: %s", outcome.step, outcome.source, outcome.target, outcome.error)
+            run = flush_pending(tiers, buckets, pacers, _logged)
             done = any(o.error is None for o in run.outcomes) or any(d.delete for d in run.pruned)
             if not done and not trainers_alive(files):
                 # Nothing moved this pass and no trainer is left: whatever failed is left pending (marked by

@@ -91,7 +91,7 @@ def test_options_of_every_command_are_understood_before_it(tiered, tmp_path, cap
          "tierstate s3: error: no s3 action 'lss'; did you mean 'ls'? (s3 actions: ls, verify, push, pull, prune, gc)"),
         (["trase", "1"],
          "tierstate: error: no command 'trase'; did you mean 'trace'? (commands: ls, inspect, stats, trace, migrate, "
-         "verify, prune, flush, s3, gc, export, import, init)"),
+         "verify, prune, flush, agent, s3, gc, export, import, init)"),
     ],
 )  # fmt: skip
 def test_mistyped_options_and_s3_actions_get_the_one_meant(argv, said) -> None:
