@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -19,7 +20,6 @@ from ...tiers.format.format import checksum
 from ...tiers.storage import faults
 from ...tiers.storage.hostcache import Slab
 from ..units import Chunk, ChunkEntry, ChunkPlan, CopyProgram, EagerSources, TensorPiece, Unit
-from .slabs import HeldSlabs
 
 
 def record_ready_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
@@ -31,6 +31,13 @@ def record_ready_event(tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
     return event
 
 
+class SlabSource(Protocol):
+    """Where capture copies a chunk: a host-cache slab (stages/slabs.py), or its window of a memory tier's slot
+    (pipeline/slotjob.py), which is its place in the data file itself."""
+
+    def take(self, plan: ChunkPlan) -> Slab: ...
+
+
 class Capture:
     """The stage: each :class:`ChunkPlan` into a slab of its own, as a :class:`Chunk`. The object batch needs
     nothing (its values were snapshotted at the request) and goes on as it is. Once the last of this
@@ -38,7 +45,7 @@ class Capture:
 
     def __init__(
         self,
-        slabs: HeldSlabs,
+        slabs: SlabSource,
         copier: SlabCopier,
         ready: torch.cuda.Event | None,
         sources: EagerSources | None,
@@ -62,7 +69,7 @@ class Capture:
     def run(self, unit: Unit) -> Unit:
         if not isinstance(unit, ChunkPlan):
             return unit
-        chunk = self._copier.copy(unit, self._slabs.take(), self._ready, self._sources, self._hash_raw)
+        chunk = self._copier.copy(unit, self._slabs.take(unit), self._ready, self._sources, self._hash_raw)
         with self._lock:
             self._left -= 1
             last = self._left == 0
