@@ -114,8 +114,13 @@ class SlotPool:
         self._mapped: OrderedDict[Key, Slot] = OrderedDict()  # least recently taken first
         self._most = keep + 2  # the kept checkpoints', the one being written, a spare
         self._lock = threading.Lock()
-        for directory in (self._pools, self.directory):  # each a real directory: a symlink there is refused
-            make_dir(directory)  # the pool's existence tells retention to return this rank's files (slotdirs.py)
+        self._make_dirs()
+
+    def _make_dirs(self) -> None:
+        """The pool's directories, each a real one (a symlink there is refused); its existence tells retention to
+        return this rank's files (slotdirs.py)."""
+        for directory in (self._pools, self.directory):
+            make_dir(directory)
 
     def take(self, size: int, target: Path) -> Slot:
         """A slot of ``size`` bytes (a multiple of the page size), allocated and mapped, its file renamed to
@@ -123,6 +128,7 @@ class SlotPool:
         when the file system has no room for it."""
         with self._lock:
             self._forget_gone()
+            self._make_dirs()  # again: someone may have removed the tier's directory since (it is theirs too)
             free = free_files(self.directory)
             # A file mapped at this size already costs nothing; any other known one saves the mapping's setup.
             free.sort(key=lambda e: self._rank_of(e.inode(), size))
