@@ -43,7 +43,7 @@ from harness.paths import bench_root
 from harness.report import Report, progress, publish
 from harness.stats import interleave, median
 from harness.tensors import iter_tensors
-from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for
+from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for, memory_checkpointer
 from harness.timing import time_save
 from harness.units import fmt_bytes, fmt_ratio, fmt_s, gbps
 
@@ -78,10 +78,8 @@ def timed_memcpy(state: GPTState, sources: list[torch.Tensor]) -> float:
 
 def memory_tier(state: GPTState, directory: Path, cache_bytes: int) -> TierstateCheckpointer:
     """tierstate persisting to a memory tier (``kind: memory``) at ``directory`` (a tmpfs), holding one step."""
-    tier = {"path": str(directory), "kind": "memory", "size": 4 * state.tensor_bytes, "retention": {"keep_last": 1}}
-    ckpt = TierstateCheckpointer(state, directory, cache_bytes=cache_bytes, overrides={"tiers": {"nvme": tier}})
+    ckpt = memory_checkpointer(state, directory, cache_bytes=cache_bytes)
     ckpt.name = MEMORY
-    ckpt.setup += f"; persist tier kind: memory at {directory}"
     return ckpt
 
 

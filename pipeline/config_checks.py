@@ -150,6 +150,11 @@ def _bounded_tier_problems(config: ConfigSchema) -> list[tuple[str, str]]:
                 "a memory tier needs a size bound (e.g. size: 8GiB): the host memory it fills is the job's too; "
                 "give it room for keep_last + 1 checkpoints of this node (the kept ones and the one in flight)",
             ))
+        if tier.kind != "memory" and tier.slots:
+            problems.append((
+                f"tiers.{name}.slots",
+                "slots are a memory tier's preallocated files in host memory (kind: memory); a disk tier has none",
+            ))
         if tier.size is None:
             continue
         if not tier.retention.active:

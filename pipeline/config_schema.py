@@ -96,6 +96,10 @@ class TierConfig(Strict):
     node: host memory is the job's too. ``size`` bounds any tier; a checkpoint that would not fit
     waits for the tier's older copies to be flushed and pruned, or fails naming this key.
 
+    ``slots`` (a memory tier only; on by default): capture copies each tensor straight into the tier's
+    preallocated, mapped data files, which retention hands back instead of deleting
+    (pipeline/slotjob.py); ``false`` writes them through the host cache, as a disk tier is written.
+
     ``replicas: 1`` on a node-scoped tier: each node's part committed there is also sent to a partner
     node's tier (the next node, in a ring), so a replaced node restores its part from the partner
     rather than the shared tier (pipeline/peers.py).
@@ -108,6 +112,7 @@ class TierConfig(Strict):
     retention: RetentionPolicy = RetentionPolicy()
     flush: FlushPolicy | None = None
     replicas: Annotated[int, Field(ge=0, le=1)] = 0
+    slots: StrictBool | None = None  # None: a memory tier's default (on)
 
     @model_validator(mode="before")
     @classmethod

@@ -17,22 +17,28 @@ from typing import Any
 
 import torch
 
+from ..tiers.storage.filesystem import FilesystemTier
 from ..tiers.storage.hostcache import HostCache
 from .config import PipelineConfig
+from .slotjob import slot_pool
 from .stages.capture import SlabCopier
 
 
 class Engine:
-    """The cache, the pools (``compute`` for the stages, ``io`` for writes and commits) and the loop."""
+    """The cache, the slot pool of a memory tier captured into (``slots``), the pools (``compute`` for the
+    stages, ``io`` for writes and commits) and the loop. ``tier``: the persist tier; ``rank``: this rank's."""
 
-    def __init__(self, config: PipelineConfig) -> None:
+    def __init__(self, config: PipelineConfig, tier: FilesystemTier, rank: int) -> None:
         pinned = config.host_cache.pinned
         if pinned == "auto":
             pinned = torch.cuda.is_available()
         self.slab_size = max(4096, config.chunk_size // 4096 * 4096)
         compress = config.stage_of_kind("compress")
         scratch = config.threads_for("compress") if compress is not None and compress.codec != "none" else 0
-        self.cache = HostCache(config.host_cache.size, self.slab_size, pinned=bool(pinned), scratch=scratch)
+        self.slots = slot_pool(config, tier, rank, pin=bool(pinned))
+        # Captured into slots, tensor bytes never pass through the cache: it keeps its least (two slabs).
+        size = config.host_cache.size if self.slots is None else 2 * self.slab_size
+        self.cache = HostCache(size, self.slab_size, pinned=bool(pinned), scratch=scratch)
         # One thread per stage worker, and one for the feeder.
         stage_workers = sum(s.workers for _, s in config.chain() if s.kind != "persist") + 1
         self.compute = concurrent.futures.ThreadPoolExecutor(stage_workers, thread_name_prefix="tierstate-cpu")
@@ -55,3 +61,5 @@ class Engine:
         self.loop.close()
         self.compute.shutdown()
         self.io.shutdown()
+        if self.slots is not None:
+            self.slots.close()

@@ -12,6 +12,7 @@ partial directory and leaves the committed checkpoints as they were.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -20,8 +21,11 @@ from pathlib import Path
 
 import torch
 
+from ..tiers.format.rankwriter import data_file_path
+from ..tiers.format.slotfile import SlotRegion
 from ..tiers.storage.filesystem import FilesystemTier
 from ..tiers.storage.hostcache import HostCache
+from ..tiers.storage.slots import SlotPool
 from .commit import Commit, TierCommit
 from .config import PipelineConfig
 from .config_stages import CaptureStage, CompressStage, PersistStage, SerializeStage, StageConfig
@@ -30,6 +34,7 @@ from .metrics import CheckpointStats, StageStats
 from .plan import CheckpointPlan, plan_checkpoint
 from .retry import storage_call
 from .room import Room
+from .slotjob import SlotLayout, SlotWindows
 from .stage_threads import Flow
 from .stages.capture import Capture, SlabCopier
 from .stages.compress import Compress
@@ -52,6 +57,7 @@ class JobContext:
     rank: int = 0
     commit: Commit | None = None  # None: this process alone commits on ``tier``
     room: Room | None = None  # ``tier``'s size is bounded (a memory tier): reserve room before writing
+    slots: SlotPool | None = None  # ``tier`` is a memory tier captured into directly (slotjob.py)
 
 
 class CheckpointJob:
@@ -84,6 +90,7 @@ class CheckpointJob:
         self._lock = threading.Lock()  # the stage threads share the slabs, the counters and the stage stats
         self.flow = Flow()
         self.slabs = HeldSlabs(ctx.cache, self.flow, self._lock, stats)
+        self._windows: SlotWindows | None = None  # captured into a slot: its windows, once taken
         self._started = time.monotonic() if requested is None else requested
 
     async def run(self) -> Path:
@@ -98,6 +105,8 @@ class CheckpointJob:
         except BaseException as exc:
             if writer is not None:
                 writer.close()
+            if self._windows is not None and self.ctx.slots is not None:  # its slot back for the next checkpoint
+                await run_blocking(self.ctx.io, self.ctx.slots.put_back, self._windows.slot, self._windows.path)
             await run_blocking(self.ctx.io, commit.abort, self.step, exc)
             raise
         finally:
@@ -119,16 +128,30 @@ class CheckpointJob:
             return plan_checkpoint([], self.ctx.cache.slab_size)  # declined: nothing of it is written
 
     async def _begin(self, partial: Path) -> TierWriter:
-        """Room on a bounded tier, then this rank's data file in ``partial``."""
+        """Room on a bounded tier, then this rank's data file in ``partial``: a slot of the memory tier, when
+        the tensors are captured into one (slotjob.py), else a new file."""
+        config = self.ctx.config
+        pool = self.ctx.slots if self.plan.chunks else None  # no tensor bytes: nothing to capture into a slot
+        layout = SlotLayout.of(self.plan.chunks, config.align) if pool is not None else None
         if self.ctx.room is not None:
-            await self.ctx.room.reserve(self.step, self.plan.tensor_bytes)
+            # A free slot's pages are in the tier already: taking it adds only what it lacks.
+            reused = None if pool is None or layout is None else functools.partial(pool.reusable, layout.size)
+            await self.ctx.room.reserve(self.step, self.plan.tensor_bytes, reused)
         if not self.plan.chunks:
             self._captured()
-        config = self.ctx.config
+        region = None if pool is None or layout is None else await self._take_slot(pool, layout, partial)
         return await TierWriter.open(
             self.ctx.tier.name, partial, self.ctx.rank, self.step, self.plan, _persist_stage(config), config.align,
-            self.ctx.io,
+            self.ctx.io, region,
         )  # fmt: skip
+
+    async def _take_slot(self, pool: SlotPool, layout: SlotLayout, partial: Path) -> SlotRegion:
+        """This rank's slot, renamed to its data file in ``partial``; capture copies into its windows."""
+        path = data_file_path(partial, self.ctx.rank, "frames")
+        where = f"tier {self.ctx.tier.name}: taking a slot for {path}"
+        slot = await storage_call(self.ctx.io, where, pool.take, layout.size, path)
+        self._windows = SlotWindows(slot, layout, path)
+        return layout.region(slot)
 
     async def _flow(self, writer: TierWriter) -> None:
         """Every unit through the chain, on the lanes' threads (lanes.py, stage_threads.py)."""
@@ -150,8 +173,9 @@ class CheckpointJob:
             compress = self.ctx.config.stage_of_kind("compress")
             hash_raw = compress is None or compress.codec == "none"
             chunks = len(self.plan.chunks)  # with many ranks, only this rank's share
+            slabs = self._windows or self.slabs  # a slot's windows, or host-cache slabs
             return Capture(
-                self.slabs, self.ctx.copier, self.ready, self.sources, hash_raw, chunks, self._captured, self._lock
+                slabs, self.ctx.copier, self.ready, self.sources, hash_raw, chunks, self._captured, self._lock
             )
         if isinstance(config, SerializeStage):
             return Serialize(self.ctx.config.policies.allow_pickle)

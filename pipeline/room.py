@@ -87,12 +87,15 @@ class Room:
             )
         return need
 
-    async def reserve(self, step: int, rank_bytes: int) -> None:
+    async def reserve(self, step: int, rank_bytes: int, reused: Callable[[], int] | None = None) -> None:
         """Return once this node's files of ``step`` fit beside what the tier holds; TierFullError if
-        they never will (nothing pending that could free room)."""
+        they never will (nothing pending that could free room). ``reused``: the bytes of this rank's files
+        the tier holds already and the checkpoint takes over (a memory tier's free slot), not counted twice."""
         need = self.needed(step, rank_bytes)
         while True:
             used = await run_blocking(self.pool, self.tier.bytes_used)
+            if reused is not None:
+                used -= min(await run_blocking(self.pool, reused) * self.node_ranks, need)
             if used + need <= self.size:
                 return
             if not await self.settle():

@@ -129,7 +129,7 @@ class Runner:
         # One writer per tier, in a process as across processes: this runner's tiers claim for its own token.
         owner = object()
         self.tiers = [FilesystemTier(name, t.path, t.scope, owner=owner) for name, t in config.tiers.items()]
-        self._engine = Engine(config)
+        self._engine = Engine(config, self.durable_tier, self.rank)
         self.cache = self._engine.cache
         self._rules = CaptureRules()
         # Plans reused while the tensors stay the same (plan_cache.py); with many ranks each rank reuses its
@@ -312,7 +312,7 @@ class Runner:
         return JobContext(
             self.config, self.cache, self.durable_tier, self._engine.compute, self._engine.io, self._engine.copier,
             self.rank, commit,
-            self._room,
+            self._room, self._engine.slots,
         )  # fmt: skip
 
     def _count(self, stats: CheckpointStats) -> None:

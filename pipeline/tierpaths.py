@@ -12,7 +12,9 @@ the runner writes (the persist tier, a tier with ``flush``, a tier whose ``reten
   file system or a typo, and creating it would put the checkpoints on the wrong disk;
 * a path that is a file, or under one, is an error;
 * a path in another user's hands (tiers/storage/ownership.py: a symlink they own, a tier directory they
-  own, a world-writable directory without the sticky bit) is refused, as ssh's StrictModes does.
+  own, a world-writable directory without the sticky bit) is refused, as ssh's StrictModes does;
+* a memory tier whose ``size`` its file system cannot give it (Docker's 64 MB ``/dev/shm`` under a
+  ``size: 8GiB``) is refused, naming the key, the bytes and the fix (tiers/storage/slotdirs.py).
 
 A tier the runner only reads (restore from a read-only archive) need not be writable nor exist,
 but must not be a file. Every error is a :class:`TierError` naming the tier and the path.
@@ -31,8 +33,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..tiers.storage.filesystem import TierError
+from ..tiers.storage.filesystem import FilesystemTier, TierError
 from ..tiers.storage.ownership import ownership_problem
+from ..tiers.storage.slotdirs import room_problem
 from .config import PipelineConfig
 
 log = logging.getLogger("tierstate")
@@ -70,8 +73,18 @@ def check_tier_paths(config: PipelineConfig) -> None:
             raise _error(errno.EPERM, name, tier.path, f"is refused: {problem} (see README, Guarantees)")
         if name in written:
             _writable_directory(name, tier.path)
+            if tier.kind == "memory" and tier.size is not None:
+                _room_for_memory_tier(name, tier.path, int(tier.size))
         elif tier.path.exists() and not tier.path.is_dir():
             raise _error(errno.ENOTDIR, name, tier.path, "is not a directory")
+
+
+def _room_for_memory_tier(name: str, path: Path, size: int) -> None:
+    """A memory tier's ``size`` must fit in its file system (less what others hold there), or a checkpoint into
+    it would find no room, however retention frees its own: refused now, not at the first checkpoint."""
+    problem = room_problem(name, path, size, FilesystemTier(name, path).bytes_used())
+    if problem is not None:
+        raise TierError(errno.ENOSPC, f"tier {name}: {problem}")
 
 
 def _writable_directory(name: str, path: Path) -> None:

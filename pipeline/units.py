@@ -55,6 +55,10 @@ class CopyProgram:
     runs: list[tuple[int, int, int, int]]  # (stack, start in it, start in the chunk, length)
     pieces: list[TensorPiece]
     element_size: int
+    # The runs and pieces in the order of their bytes in the chunk, (is a piece, index): copied in that order,
+    # a chunk of host bytes is hashed a block behind its copy (stages/capture.py).
+    order: list[tuple[bool, int]]
+    on_gpu: bool  # some piece is a GPU tensor's: copied last, on a side stream, and not hashed by capture
     # Per piece of a host tensor: its source bytes as numpy, and the tensor's data_ptr they were taken at.
     # Reused while the tensor still points there (the array holds that memory, so no other tensor can
     # be there), which spares four torch calls per piece: ~1 s of capture for 10^5 small tensors. Kept

@@ -11,7 +11,8 @@ from typing import Any
 from .checkpointer import Checkpointer, NoCheckpoint
 from .competitors import DCPAsyncCheckpointer, DCPSaveCheckpointer, TorchSaveCheckpointer
 from .copy_floor import CopyFloorCheckpointer
-from .tierstate_checkpointer import TierstateCheckpointer
+from .paths import fresh_dir
+from .tierstate_checkpointer import SHM, TierstateCheckpointer, memory_checkpointer
 
 OTHERS: dict[str, Callable[[Any, Path], Checkpointer]] = {
     "none": NoCheckpoint,
@@ -22,13 +23,18 @@ OTHERS: dict[str, Callable[[Any, Path], Checkpointer]] = {
     "dcp.async_save+async-staging": partial(DCPAsyncCheckpointer, staging="async"),
 }
 
+#: tierstate persisting to a memory tier in /dev/shm: captured into its slots, or (the comparison) not.
+MEMORY_TIERS = {"tierstate(memory)": True, "tierstate(memory-no-slots)": False}
+
 
 def make_checkpointer(name: str, state: Any, root: Path, **tierstate: Any) -> Checkpointer:
     """The method ``name`` saving ``state`` under ``root/<name>``. Any name starting with
     ``tierstate`` is tierstate, configured by the ``tierstate`` keyword arguments (see
-    :class:`TierstateCheckpointer`); the other methods take no settings and ignore them, so one call
-    builds any method of a list."""
+    :class:`TierstateCheckpointer`); those of :data:`MEMORY_TIERS` persist to a memory tier in /dev/shm
+    instead. The other methods take no settings and ignore them, so one call builds any method of a list."""
     directory = root / "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+    if name in MEMORY_TIERS:  # in /dev/shm, removed by the checkpointer's clear() and after the run
+        return _in_memory(name, state, fresh_dir(SHM / f"tierstate-bench-{directory.name}"), **tierstate)
     directory.mkdir(parents=True, exist_ok=True)
     if name.startswith("tierstate"):
         ckpt = TierstateCheckpointer(state, directory, **tierstate)
@@ -37,6 +43,12 @@ def make_checkpointer(name: str, state: Any, root: Path, **tierstate: Any) -> Ch
     if name not in OTHERS:
         raise ValueError(f"unknown method {name!r}: tierstate* or one of {', '.join(OTHERS)}")
     return OTHERS[name](state, directory)
+
+
+def _in_memory(name: str, state: Any, directory: Path, **tierstate: Any) -> Checkpointer:
+    ckpt = memory_checkpointer(state, directory, MEMORY_TIERS[name], **tierstate)
+    ckpt.name = name
+    return ckpt
 
 
 def make_checkpointers(names: Iterable[str], state: Any, root: Path, **tierstate: Any) -> dict[str, Checkpointer]:

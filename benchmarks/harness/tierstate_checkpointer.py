@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -99,3 +100,29 @@ class TierstateCheckpointer(Checkpointer):
     def close(self) -> None:
         self.drain()
         self.runner.close()
+
+
+SHM = Path("/dev/shm")
+
+
+class MemoryTierCheckpointer(TierstateCheckpointer):
+    """tierstate persisting to a memory tier: its directory (in /dev/shm) goes once the runner is closed."""
+
+    def clear(self) -> None:
+        super().clear()
+        if self.runner.closed:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def memory_checkpointer(state: Any, directory: Path, slots: bool = True, **tierstate: Any) -> TierstateCheckpointer:
+    """tierstate persisting to a memory tier (``kind: memory``, keep_last 1) at ``directory`` (a tmpfs): with
+    ``slots`` capture writes into the tier's preallocated files; without, through the host cache and a write."""
+    tier = {"path": str(directory), "kind": "memory", "size": 4 * state.tensor_bytes, "retention": {"keep_last": 1},
+            "slots": slots}  # fmt: skip
+    extra = tierstate.pop("overrides", None) or {}
+    ckpt = MemoryTierCheckpointer(state, directory, overrides={"tiers": {"nvme": tier}, **extra}, **tierstate)
+    where = "captured into its slots" if slots else "through the host cache (slots: false)"
+    ckpt.setup = f"persist tier kind: memory at {directory}, keep_last 1, {where}" + (
+        "" if slots else f"; {ckpt.setup}"
+    )
+    return ckpt

@@ -20,6 +20,7 @@ from pathlib import Path
 from ...tiers.format.container import Chunk, Layout
 from ...tiers.format.format import ManifestBody
 from ...tiers.format.rankwriter import RankWriter, data_file_path
+from ...tiers.format.slotfile import SlotFile, SlotRegion
 from ...tiers.ops.pacing import Pacer
 from ..config_stages import PersistStage
 from ..metrics import CheckpointStats
@@ -37,8 +38,14 @@ def plan_layout(plan: CheckpointPlan) -> Layout:
     return Layout(tensors, objects, dict(plan.aliases))
 
 
-def _open(directory: Path, rank: int, step: int, plan: CheckpointPlan, stage: PersistStage, align: int) -> RankWriter:
-    return RankWriter(directory, rank, step, plan_layout(plan), stage.format, align, stage.io)
+def _open(
+    directory: Path, rank: int, step: int, plan: CheckpointPlan, stage: PersistStage, align: int,
+    slot: SlotRegion | None,
+) -> RankWriter:  # fmt: skip
+    """A new data file in ``directory``, or the slot (already there, the tensor frames in ``slot``) as one."""
+    path = data_file_path(directory, rank, stage.format)
+    container = None if slot is None else SlotFile(path, align, slot)
+    return RankWriter(directory, rank, step, plan_layout(plan), stage.format, align, stage.io, container)
 
 
 class TierWriter:
@@ -69,10 +76,12 @@ class TierWriter:
         stage: PersistStage,
         align: int,
         pool: concurrent.futures.Executor,
+        slot: SlotRegion | None = None,
     ) -> TierWriter:
-        """Create the data file (HDF5: and declare the plan's tensors) in ``directory``; not retried."""
+        """Create the data file (HDF5: and declare the plan's tensors) in ``directory``, or open the memory tier's
+        slot already there (``slot``: where its tensor frames lie); not retried."""
         where = f"tier {tier}: creating {data_file_path(directory, rank, stage.format)}"
-        writer = await storage_call(pool, where, _open, directory, rank, step, plan, stage, align)
+        writer = await storage_call(pool, where, _open, directory, rank, step, plan, stage, align, slot)
         return cls(tier, writer, pool, RetryPolicy(stage.retries, stage.backoff), Pacer(stage.bandwidth))
 
     def write(self, chunk: Chunk, sleep: Callable[[float], None]) -> None:

@@ -14,6 +14,7 @@ import time
 from ...tiers.storage.hostcache import HostCache, Slab
 from ..metrics import CheckpointStats
 from ..stage_threads import Flow, Stopped
+from ..units import ChunkPlan
 
 
 class HeldSlabs:
@@ -26,8 +27,9 @@ class HeldSlabs:
         self._stats = stats
         self._held: set[Slab] = set()
 
-    def take(self) -> Slab:
-        """A free slab, waiting while the cache is full (counted as ``cache_wait_s``); Stopped if the flow stops."""
+    def take(self, plan: ChunkPlan) -> Slab:  # noqa: ARG002  # any slab of the cache holds any chunk
+        """A free slab for ``plan``'s chunk, waiting while the cache is full (counted as ``cache_wait_s``); Stopped
+        if the flow stops."""
         asked = time.monotonic()
         slab = self.cache.acquire(self.flow.stopped)
         if slab is None:

@@ -156,10 +156,15 @@ class Audit:
 
 def audit(root: Path) -> Audit:
     """Read back every committed checkpoint on every tier; any that is not bit-exact is a loss."""
+    return audit_tiers(tiers_of(root))
+
+
+def audit_tiers(tiers: Iterable[FilesystemTier]) -> Audit:
+    """:func:`audit` of the given tiers."""
     steps: set[int] = set()
     partials: list[str] = []
     losses: list[str] = []
-    for tier in tiers_of(root):
+    for tier in tiers:
         partials += [p.name for p in tier.partials()]
         for step in tier.steps():
             steps.add(step)

@@ -300,7 +300,7 @@ def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
 
 def test_unknown_key_without_close_match_lists_valid_keys(tmp_path: Path) -> None:
     data = minimal(tiers__nvme__colour="blue")
-    valid = "path, kind, scope, size, retention, flush, replicas"
+    valid = "path, kind, scope, size, retention, flush, replicas, slots"
     assert problems_of(tmp_path, data) == [f"tiers.nvme.colour: unknown key (valid keys: {valid})"]
 
 

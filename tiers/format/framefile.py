@@ -159,13 +159,16 @@ class FrameFile:
     """One data file being written as frames, from any number of threads at once.
 
     ``create=True`` makes a new frames file (refused if anything has its name); ``create=False``
-    opens the regular file another writer made (the HDF5 library), to put frames into it.
+    opens the regular file another writer made (the HDF5 library, a memory tier's slot), to put frames
+    into it; ``start`` is where :meth:`write` puts its first frame (after the frames a slot holds).
     ``io="buffered"`` never opens the O_DIRECT descriptor. Each frame's index and offset are
     reserved when its write starts, so the frame list is in reservation order; a write that raised
     and is repeated (a retry) reuses its reservation.
     """
 
-    def __init__(self, path: Path, align: int = 4096, io: str = "auto", *, create: bool = True) -> None:
+    def __init__(
+        self, path: Path, align: int = 4096, io: str = "auto", *, create: bool = True, start: int = 0
+    ) -> None:
         self.path = path
         self.name = path.name
         self._align = align
@@ -179,7 +182,7 @@ class FrameFile:
         self._frames: list[FrameRecord | None] = []
         self._pending: dict[int, tuple[Chunk, int, int]] = {}  # id(chunk) -> (chunk, index, offset) until written
         self._placed: dict[int, int] = {}  # offset -> index of frames put at a caller's offset
-        self._next = 0
+        self._next = start  # where :meth:`write` puts its first frame
         self._end = 0
 
     # --- the frames container ---------------------------------------------------------------------
@@ -262,6 +265,19 @@ class FrameFile:
         digest = hash_range(self._fd, offset, length)
         if digest is None:
             raise OSError(f"{self.path}: cannot read {length} bytes at {offset}: file too short")
+        index = self._place(offset, length)
+        self._fill(index, offset, length, digest)
+        return index
+
+    # --- frames whose bytes are in the file already (a memory tier's slot: tiers/format/slotfile.py) --
+    def reserve(self, offset: int, length: int) -> int:
+        """The index of the frame of ``length`` bytes at ``offset``, to be :meth:`record`-ed before :meth:`finish`
+        (which fails on a frame never recorded); the same index for the same offset."""
+        return self._place(offset, length)
+
+    def record(self, offset: int, length: int, digest: str) -> int:
+        """Record bytes someone else put at ``offset`` (capture, through the file's mapping) as one frame whose
+        checksum ``digest`` was taken from exactly those bytes; its index."""
         index = self._place(offset, length)
         self._fill(index, offset, length, digest)
         return index

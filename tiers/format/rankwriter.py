@@ -57,12 +57,14 @@ class RankWriter:
         fmt: Format = "frames",
         align: int = 4096,
         io: str = "auto",
+        container: ContainerWriter | None = None,
     ) -> None:
+        """``container``: the data file, opened already (a memory tier's slot); else a new one in ``directory``."""
         self.rank = rank
         self.step = step
         self.index_path = directory / index_file_name(rank)
         self._layout = layout
-        self.container = open_container(
+        self.container = container or open_container(
             data_file_path(directory, rank, fmt), fmt, align, layout, {"step": step, "rank": rank}, io
         )
         self._pieces: defaultdict[str, list[dict[str, Any]]] = defaultdict(list)

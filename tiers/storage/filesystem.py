@@ -39,6 +39,7 @@ from ..format.names import STEP_NUMBER, STEP_PREFIX, parse_step_name, step_name
 from . import faults
 from .locks import HeldLock, InUseError, TierClaim, claim_tier, create_locked, exclusive
 from .safeopen import is_real_dir, kind_of, make_dir, open_read, remove, write_durably
+from .slotdirs import recycle
 
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"  # a step being deleted by retention (see tiers.ops.retention)
@@ -281,6 +282,8 @@ class FilesystemTier:
             os.rename(path, doomed)
             fsync_dir(self.root)
             faults.point("prune.delete", doomed)
+            if not self.nested:
+                recycle(self.root, doomed)  # a memory tier's data files back to their writers' pools: slotdirs.py
             shutil.rmtree(doomed)
 
     def invalid(self) -> list[InvalidEntry]:
