@@ -169,7 +169,7 @@ class Trail:
     BLOCK = 256 << 10
 
     def __init__(self, data: np.ndarray) -> None:
-        self._data = memoryview(data)  # bytes (uint8), what xxhash takes
+        self._data = data.data  # its bytes (uint8) as a memoryview, what xxhash takes
         self._hasher = xxhash.xxh3_64()
         self._done = 0
 
