@@ -36,6 +36,7 @@ import torch
 
 from ..providers.base import RankLocal, RestoreError
 from ..providers.composite import CompositeProvider
+from ..providers.fresh import is_fresh, spend
 from ..providers.items import TensorItem
 from ..tiers.format.dtypes import dtype_from_name
 from ..tiers.reading.boxes import Box
@@ -188,7 +189,10 @@ class CollectiveRead:
 
     def _read_whole(self, checkpoint: StoredCheckpoint, keys: list[str]) -> Mapping[str, Any]:
         """Every item of ``keys``, verified; the live tensors' read straight into them (``fill_live``)."""
-        read = checkpoint.fill_live(self.provider.restore_destinations(), keys, allow_pickle=self.allow_pickle)
+        live = self.provider.restore_destinations()
+        untouched = [key for key, tensor in live.items() if is_fresh(tensor)]
+        read = checkpoint.fill_live(live, keys, allow_pickle=self.allow_pickle, fresh=untouched)
+        spend(live[key] for key in untouched)  # filled now (or about to be, by read.fill): restored state
         self.bytes_read = checkpoint.stored_bytes
         return fresh_read(read.values, read.fill)
 

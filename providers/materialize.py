@@ -5,14 +5,16 @@ random init of every parameter is wasted work (seconds for a large model, and al
 touched twice). Built under ``torch.device("meta")`` the model has shapes and no storage, so its
 construction costs next to nothing (:func:`empty_init` also skips the init calls, which torch runs
 even on the meta device); :func:`materialize` gives each parameter and buffer uninitialised
-storage on the real device, and the restore fills it. An optimizer built on the materialised
-parameters holds no state until the restore adopts the checkpoint's (providers/optimizer.py).
+storage on the real device, and the restore fills it, copying each byte once (there is nothing to
+protect from a damaged copy: providers/fresh.py). An optimizer built on the materialised parameters holds
+no state until the restore adopts the checkpoint's (providers/optimizer.py).
 
 Uninitialised storage is garbage until restored, so nothing may be left unrestored:
 
-* the module's restore refuses a checkpoint that lacks any of its state-dict entries, before
-  anything is applied (:meth:`ModuleProvider.check`), and a module still on the meta device is
-  refused (a copy into a meta tensor does nothing, silently);
+* the module's restore refuses a checkpoint that lacks any of its state-dict entries
+  (:meth:`ModuleProvider.check`; the entries it has may have been read into the fresh tensors by
+  then, which held nothing to keep), and a module still on the meta device is refused (a copy into a
+  meta tensor does nothing, silently);
 * buffers registered with ``persistent=False`` are in no state dict, so no checkpoint holds them:
   :func:`materialize` refuses a module with such buffers on the meta device, naming them (build
   them on the real device, e.g. register them after materialising, or compute them again);
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from .base import RestoreError, shown
+from .fresh import mark_fresh
 
 # torch.nn.init's functions that fill a tensor: what module constructors and init code call.
 _INIT_FUNCTIONS = (
@@ -111,6 +114,7 @@ def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
         shared = owner._parameters[name]  # noqa: SLF001  # see _tied
         for other, other_name in places[1:]:
             other._parameters[other_name] = shared  # noqa: SLF001  # re-tie what to_empty untied
+    mark_fresh([*module.parameters(), *module.buffers()])  # a restore copies into them once (providers/fresh.py)
     return module
 
 

@@ -3,6 +3,8 @@
 Real checkpoints written by a runner (1 MiB chunks, so a 3 MiB tensor spans frames and small ones
 share one), real tensors as destinations, real bytes flipped in the data file. A damaged copy fails
 in the first pass with no live tensor touched; a frame changed between the passes fails the second.
+Fresh destinations (a model ``materialize`` just built: providers/fresh.py) are filled in one pass at read
+time, verified as they land, and a damaged copy sends the restore on to the next.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierstate import materialize
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import ModuleProvider, OptimizerProvider, TensorDictProvider
+from tierstate.providers.fresh import is_fresh
 from tierstate.tiers.reading.stored import CorruptCheckpointError, StoredCheckpoint
 
 MiB = 1 << 20
@@ -175,3 +179,79 @@ def test_runner_restore_from_the_memory_tier_reads_into_the_live_model_and_optim
             assert torch.equal(got, want)
     finally:
         runner.close()
+
+
+def test_fresh_destinations_are_filled_in_one_pass_when_read(make_runner) -> None:
+    weights = _weights()
+    directory = _saved(make_runner, weights)
+    live = _scrambled(weights)
+    read = StoredCheckpoint(directory, 1).view().fill_live(live, fresh=list(live))
+    assert read.fill is None  # nothing left for a second pass
+    for key, value in weights.items():
+        assert torch.equal(live[f"model/{key}"], value), key
+    # One fresh destination among live ones: verified first, as for all live state.
+    live = _scrambled(weights)
+    read = StoredCheckpoint(directory, 1).view().fill_live(live, fresh=["model/big"])
+    assert read.fill is not None and bool((live["model/big"] == 7).all())
+
+
+def test_a_flipped_byte_fails_the_one_pass_read_after_the_other_frames_landed(make_runner) -> None:
+    weights = _weights()
+    directory = _saved(make_runner, weights)
+    checkpoint = StoredCheckpoint(directory, 1)
+    data = _data_file(directory)
+    frames = checkpoint.manifest.files[data.name].frames
+    index = max(range(len(frames)), key=lambda i: frames[i].length)  # a whole 1 MiB frame of "big"
+    _flip(data, frames[index].offset + frames[index].length // 2)
+    live = _scrambled(weights)
+    with pytest.raises(CorruptCheckpointError, match=rf"{data.name} frame {index}: checksum mismatch \(expected"):
+        checkpoint.view().fill_live(live, fresh=list(live))
+    # No verify-before-write pass: the frames that are fine were copied in (what one pass means; fresh
+    # tensors held nothing to keep), and a read of the next copy overwrites every byte.
+    assert torch.equal(live["model/small"], weights["small"]) and torch.equal(live["model/grid"], weights["grid"])
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+
+
+def test_fresh_means_materialized_storage_untouched_since() -> None:
+    with torch.device("meta"):
+        model = _mlp()
+    materialize(model)
+    weight, bias = model[0].weight, model[2].bias
+    assert is_fresh(weight) and is_fresh(weight.detach()) and is_fresh(model.state_dict()["2.bias"])
+    with torch.no_grad():
+        bias.add_(1)  # any in-place op (an optimizer step, copy_, load_state_dict) bumps the version counter
+    assert not is_fresh(bias) and is_fresh(weight)
+    assert not is_fresh(torch.zeros(4)) and not is_fresh(_mlp()[0].weight)
+
+
+def test_a_materialized_model_restores_in_one_pass_and_a_damaged_copy_sends_it_on(
+    tmp_path: Path, memory_dir: Path
+) -> None:
+    torch.manual_seed(2)
+    saved = _mlp()
+    config = {
+        "chunk_size": "1MiB", "host_cache": {"size": "16MiB"},
+        "tiers": {"memory": {"kind": "memory", "path": str(memory_dir), "size": "32MiB",
+                             "retention": {"keep_last": 1}},
+                  "nvme": {"path": str(tmp_path / "nvme"), "flush": {"every": 1}}},
+    }  # fmt: skip
+    with Runner.from_dict(config) as runner:
+        runner.register(model=ModuleProvider(saved))
+        runner.checkpoint(1).result()
+        runner.wait()
+    data = _data_file(memory_dir / "step-1")
+    frame = StoredCheckpoint(memory_dir / "step-1").manifest.files[data.name].frames[0]
+    _flip(data, frame.offset + frame.length // 2)  # the memory copy is damaged, NVMe's is not
+    with torch.device("meta"):
+        model = _mlp()
+    materialize(model)
+    with Runner.from_dict(config) as runner:
+        runner.register(model=ModuleProvider(model))
+        result = runner.restore(1)
+    assert result.tier == "nvme"
+    for key, value in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert not any(is_fresh(t) for t in model.state_dict().values())  # restored state: the next restore verifies first

@@ -24,6 +24,11 @@ retention may unlink them meanwhile but not swap them: a frame that still hashes
 the second pass was changed in place under the read lock (a hostile writer, failing memory), and
 the restore fails saying that the checked providers' tensors were partly overwritten.
 
+Into fresh tensors (a model :func:`~providers.materialize.materialize` just built, untouched since:
+providers/fresh.py) there is no state to leave as it was: :meth:`LiveFill.fill_once` is the second pass
+alone, at read time, each byte copied once and hashed as it lands, and a mismatch fails the read like
+one found by :meth:`~LiveFill.verify`, so the restore goes on to the next copy.
+
 Only plain tensors qualify (same dtype and shape as stored, contiguous, not a DTensor, storage not
 shared with another destination) in uncompressed frames; every other item is read into a buffer of its
 own (:func:`tiers.reading.reader.read_view`) and copied by its provider.
@@ -163,6 +168,14 @@ class LiveFill:
         """Second pass: read every destination's bytes into it, each frame hashed again as it lands."""
         if not self._verified:  # the second pass alone would leave a corrupt copy half applied
             self.verify()
+        self._fill()
+
+    def fill_once(self) -> None:
+        """The only pass, for destinations holding nothing to protect (providers/fresh.py): every frame read
+        straight into them and hashed as it lands; a mismatch fails the read (the next copy overwrites them)."""
+        self._fill()
+
+    def _fill(self) -> None:
         try:
             with torch.no_grad():
                 self._each(self._fill_frame)
@@ -254,6 +267,8 @@ class LiveFill:
             read_step()
             if position < frame.length and not self._feed(fd, frame.offset + position, frame.length - position, hasher):
                 check_frame(None, frame, where)
+            if hasher.hexdigest() != frame.checksum and not self._verified:
+                check_frame(hasher.hexdigest(), frame, where)
             if hasher.hexdigest() != frame.checksum:
                 raise CorruptCheckpointError(
                     f"{where}: checksum mismatch on the second read (expected {frame.checksum}, got "

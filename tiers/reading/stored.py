@@ -163,10 +163,11 @@ class StoredCheckpoint:
         allow_pickle: bool = False,
         rank: int = 0,
         workers: int = 4,
+        fresh: Collection[str] = (),
     ) -> LiveRead:
         """:meth:`read`, the items with a tensor in ``live`` (by key) to be read straight into it: see
         :meth:`RankView.fill_live`."""
-        return self.view(rank, keys).fill_live(live, allow_pickle=allow_pickle, workers=workers)
+        return self.view(rank, keys).fill_live(live, allow_pickle=allow_pickle, workers=workers, fresh=fresh)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
         """Every check of tiers/reading/integrity.py on all of it: file sizes, every frame's checksum (decoded to its
@@ -270,11 +271,14 @@ class RankView:
         allow_pickle: bool = False,
         workers: int = 4,
         stage: bool = False,
+        fresh: Collection[str] = (),
     ) -> LiveRead:
         """Items of this view (``keys``, all by default), those that have a live tensor in ``live`` of the
         stored dtype and shape left to be read straight into it by ``LiveRead.fill()``, with no buffer
         between (tiers/reading/livefill.py): the frames holding them are verified here, so a damaged copy fails
-        now with nothing touched. Every other item is read as :meth:`read` reads it. ``stage`` fills CPU
+        now with nothing touched. Where every such tensor's key is in ``fresh`` (it holds nothing to protect:
+        providers/fresh.py) they are filled here instead, in one pass verifying as it copies, and
+        ``LiveRead.fill`` is None. Every other item is read as :meth:`read` reads it. ``stage`` fills CPU
         tensors through the staging block a GPU tensor is filled through (for tests)."""
         wanted = self.keys if keys is None else list(keys)
         self.checkpoint.admit(self._files_of(wanted))
@@ -289,7 +293,10 @@ class RankView:
             chosen, frames = plan(self._view, records, live)
             fill = LiveFill(directory, self._view, chosen, frames, workers, stage) if chosen else None
         try:
-            if fill is not None:
+            if fill is not None and set(chosen) <= set(fresh):
+                fill.fill_once()
+                fill = None
+            elif fill is not None:
                 fill.verify()
             rest = [key for key in wanted if self.stored_key(key) not in chosen]
             values = read_view(source, self._view, rest, allow_pickle, workers) if rest else {}
