@@ -182,6 +182,16 @@ class PoliciesConfig(Strict):
     check_capture: StrictBool = False
 
 
+class CadenceConfig(Strict):
+    """When ``runner.maybe_checkpoint(step)`` checkpoints (pipeline/cadence.py): every ``every`` steps, or with
+    ``auto`` as often as the measured cost stays within ``budget`` of the training time (0.03: 3%), after
+    ``warmup`` plain steps timed."""
+
+    every: Annotated[StrictInt, Field(ge=1)] | Literal["auto"] = "auto"
+    budget: Annotated[float, Field(gt=0, le=1)] = 0.03
+    warmup: Annotated[StrictInt, Field(ge=1)] = 3
+
+
 class AgentConfig(Strict):
     """The node agent (pipeline/agent.py): ``enabled``, flushes and retention run in a process of their own per
     node that outlives the trainer, niced by ``nice``, instead of in the trainer's process."""
@@ -242,6 +252,7 @@ class ConfigSchema(Strict):
     persist_bucket: TierName | None = None
     pipeline: PipelineSpec  # left out: the packaged default's stage chain (see _defaults_from_tiers)
     policies: PoliciesConfig = PoliciesConfig()
+    cadence: CadenceConfig = CadenceConfig()
     agent: AgentConfig = AgentConfig()
 
     @model_validator(mode="before")

@@ -34,6 +34,7 @@ from .aftercommit import AfterCommit
 from .agent import AgentLink
 from .agreement import newest_held, restore_checkpoint
 from .buckets import Buckets
+from .cadence import cadence_of
 from .config import PipelineConfig, load_config, parse_config
 from .distributed import DistributedCommit, group_for_runner
 from .engine import Engine
@@ -154,6 +155,7 @@ class Runner:
         agent = AgentLink.started(config) if config.agent.enabled else None
         role = FlushRole.of(config, self._group, group_timeout, agent=agent is not None)
         self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._engine.loop, role)
+        self._cadence = cadence_of(config, self._ranks)
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
@@ -299,6 +301,18 @@ class Runner:
             # Counted before the job starts: it writes the blocked time into the manifest.
             completer.blocked(time.perf_counter() - started)
             self._engine.start(self._run(job, completer, request.copies))
+        return handle
+
+    def maybe_checkpoint(self, step: int) -> CheckpointHandle | None:
+        """Call after every optimizer step: checkpoints ``step`` when ``cadence`` says it is due (every N steps, or
+        with ``every: auto`` as often as its measured cost stays within the budget: pipeline/cadence.py), and
+        returns its handle; None otherwise. Collective with many ranks where a checkpoint is taken."""
+        requested = time.perf_counter()
+        self._refuse_if_closed(f"maybe_checkpoint({step!r})")
+        if not self._cadence.due(step, requested):
+            return None
+        handle = self.checkpoint(step)
+        self._cadence.taken(step, handle, requested)
         return handle
 
     def _job_context(self, declined: BaseException | None) -> JobContext:

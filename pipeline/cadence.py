@@ -1,0 +1,126 @@
+"""When a checkpoint is due: every N steps, or as often as its measured cost stays within a share of the step.
+
+The training time a failure loses is mostly the work done since the last checkpoint, so the interval
+that matters is the shortest one training can afford. ``cadence: {every: auto, budget: 0.03}`` finds it
+as CheckFreq's profiler and Orbax's continuous policy do, from the trainer's own clock: the loop calls
+``runner.maybe_checkpoint(step)`` after every optimizer step, and the cadence
+
+* times the steps that no checkpoint work overlapped (capture, persist, flushes: all settled), their
+  median being the step time;
+* times each checkpoint from the call that requested it until the step in which it is durable on the
+  persist tier: that span less as many plain steps is what it cost the trainer (blocked time, the
+  capture's copies competing for cores and memory bandwidth, the wait before the next optimizer step);
+* spaces checkpoints ``k`` steps apart, the fewest whose cost stays within ``budget`` of the time they
+  span (``cost / (budget * step) <= k``), and never fewer than a checkpoint takes to be durable, so no
+  request waits for the one before it.
+
+Tiers flushed every ``flush.every`` steps keep their cadence: a step that is a multiple of a flush tier's
+``every`` (above 1) is always checkpointed, so NVMe, the PFS and a bucket receive what their YAML says.
+With many ranks every rank must request the same steps (the commit is collective): the first checkpoint
+is at a fixed call, each interval is agreed at a checkpoint (the largest any rank proposes, one all-gather
+per checkpoint, none between), and a rank that has not yet seen its last checkpoint durable proposes twice
+the interval before.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .config import PipelineConfig
+from .handle import CheckpointHandle
+from .solo import RestoreGroup
+
+SAMPLES = 32  # step times kept: the median of the recent ones follows a changing step time
+COSTS = 5  # checkpoint costs kept, for the same reason
+
+
+@dataclass
+class _Open:
+    """A checkpoint being timed: requested by the call at ``started``, ``steps`` calls ago."""
+
+    handle: CheckpointHandle
+    started: float
+    steps: int = 0
+
+
+@dataclass
+class Cadence:
+    """The steps to checkpoint: multiples of ``every``, or with ``every="auto"`` as described above.
+
+    ``forced``: the ``flush.every`` values above 1 (their multiples are always checkpointed). ``warmup``:
+    plain steps timed before the first automatic checkpoint. ``agree``: gathers one value from every rank
+    (a list with this rank's alone for one process)."""
+
+    every: int | str
+    budget: float
+    warmup: int
+    forced: Sequence[int]
+    agree: Callable[[int], list[int]]
+    interval: int = 0  # agreed steps between automatic checkpoints; 0: none taken yet
+    _calls: int = 0
+    _last_call: float | None = None
+    _next: int | None = None
+    _steps: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    _costs: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=COSTS))
+    _open: _Open | None = None
+    _busy: list[CheckpointHandle] = field(default_factory=list)
+
+    def due(self, step: int, now: float) -> bool:
+        """Whether ``step`` (the call at ``now``, once per training step) is to be checkpointed."""
+        self._observe(now)
+        if isinstance(self.every, int):
+            return step % self.every == 0
+        if any(step % every == 0 for every in self.forced):
+            return True
+        if self._next is None:
+            return self._calls > self.warmup
+        return step >= self._next
+
+    def taken(self, step: int, handle: CheckpointHandle, requested: float) -> None:
+        """``handle`` is the checkpoint of ``step``, requested by the call at ``requested``: time it, and agree
+        on when the next automatic one is (collective with many ranks)."""
+        if isinstance(self.every, int):
+            return
+        if self._open is None:  # one timed at a time: one in flight, and its span is all its own
+            self._open = _Open(handle, requested)
+        self._busy.append(handle)
+        self.interval = max(self.agree(self._proposal()))
+        self._next = step + self.interval
+
+    def _observe(self, now: float) -> None:
+        """This call ends a step: a sample of the plain step time, or one more step of the checkpoint timed."""
+        self._calls += 1
+        last, self._last_call = self._last_call, now
+        self._busy = [h for h in self._busy if not all(f.done() for f in h.tier_futures.values())]
+        if last is None:
+            return
+        if self._open is not None:
+            self._open.steps += 1
+            if self._open.handle.done():  # durable on the persist tier (or failed, or skipped)
+                self._costs.append((now - self._open.started, self._open.steps))
+                self._open = None
+        elif not self._busy:
+            self._steps.append(now - last)
+
+    def _proposal(self) -> int:
+        """This rank's interval: from its measurements, or twice the last one while it has none to go by."""
+        if not self._costs or not self._steps:
+            return max(1, self.warmup, 2 * self.interval)
+        step = statistics.median(self._steps)
+        spans = [(span - steps * step, steps) for span, steps in self._costs]
+        cost = max(0.0, statistics.median(c for c, _ in spans))
+        durable = max(s for _, s in spans)
+        return max(1, durable, math.ceil(cost / (self.budget * step)) if step > 0 else 1)
+
+
+def cadence_of(config: PipelineConfig, ranks: RestoreGroup) -> Cadence:
+    """The cadence ``config`` asks for, its intervals agreed among ``ranks``."""
+    forced = sorted({edge.policy.every for edge in config.flush_graph().edges if edge.policy.every > 1})
+    settings = config.cadence
+    agree = functools.partial(ranks.all_gather, what="cadence: the next interval")
+    return Cadence(settings.every, settings.budget, settings.warmup, forced, agree)
