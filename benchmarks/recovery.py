@@ -196,10 +196,7 @@ def build(preset: str, method: str, for_restore: bool) -> Any:
     """The GPT and AdamW. A restart of tierstate or the copy floor builds on the meta device (the restore sets
     every value); DCP's and the floor's restarts initialise AdamW's state, since they load into the tensors they
     are given."""
-    import torch
-    from harness.gpt_state import GPT_PRESETS, GPTState, build_gpt
-
-    from examples.gpt import GPT, TokenStream
+    from harness.gpt_state import build_gpt, build_gpt_for_restore
 
     if not for_restore:
         return build_gpt(preset)
@@ -208,16 +205,10 @@ def build(preset: str, method: str, for_restore: bool) -> Any:
         if method == "dcp.async_save":
             _init_adamw_state(state.optimizer)
         return state
-    from tierstate import empty_init, materialize
-
-    config = GPT_PRESETS[preset]
-    with empty_init():
-        model = GPT(config)
-    materialize(model)
-    optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95))
+    state = build_gpt_for_restore(preset)
     if method == FLOOR:
-        _init_adamw_state(optimizer)
-    return GPTState(model, optimizer, TokenStream(4, config.seq_len, seed=0))
+        _init_adamw_state(state.optimizer)
+    return state
 
 
 def _init_adamw_state(optimizer: Any) -> None:

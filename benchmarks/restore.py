@@ -21,6 +21,10 @@ file of the same size, in the same rounds.
     python benchmarks/restore.py --preset small --repeats 1
     python benchmarks/restore.py --methods memcpy,tierstate(memory),tierstate   # without the competitors
     python benchmarks/restore.py --memory-dir /mnt/huge-tmpfs    # a memory tier on another tmpfs
+
+``tierstate(memory) into a fresh model`` restores from a memory tier a closed runner wrote into the GPT and
+AdamW as a restart builds them (``empty_init`` + ``materialize``, untimed), against ``memcpy into fresh
+tensors``: the same bytes copied into new ``torch.empty`` tensors, whose pages the copy faults in as well.
 """
 
 from __future__ import annotations
@@ -36,21 +40,26 @@ from harness.checkpointer import Checkpointer
 from harness.cli import parser
 from harness.competitors import TorchSaveCheckpointer
 from harness.disk import disk_read_seconds, disk_write_seconds, drop_caches
-from harness.gpt_state import GPTState, build_gpt
+from harness.gpt_state import GPTState, build_gpt, build_gpt_for_restore
 from harness.machine import start_run
 from harness.methods import closing_all, make_checkpointers
-from harness.paths import bench_root
+from harness.paths import DEFAULT_YAML, bench_root
 from harness.report import Report, progress, publish
 from harness.stats import interleave, median
 from harness.tensors import iter_tensors
-from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for, memory_checkpointer
+from harness.tierstate_checkpointer import TierstateCheckpointer, cache_for, memory_checkpointer, memory_tier_config
 from harness.timing import time_save
-from harness.units import fmt_bytes, fmt_ratio, fmt_s, gbps
+from harness.units import MiB, fmt_bytes, fmt_ratio, fmt_s, gbps
+
+from tierstate import Runner
 
 DISK = ["disk cold read", "disk O_DIRECT read"]
 MEMCPY = "memcpy"
 MEMORY = "tierstate(memory)"
-ALL = [MEMCPY, MEMORY, "tierstate", "torch.load", "torch.load(mmap)", "dcp.load"]
+MEMCPY_FRESH = "memcpy into fresh tensors"
+MEMORY_FRESH = "tierstate(memory) into a fresh model"
+FRESH = {MEMCPY_FRESH: MEMCPY, MEMORY_FRESH: MEMORY}  # each fresh method and what it needs saved
+ALL = [MEMCPY, MEMORY, MEMCPY_FRESH, MEMORY_FRESH, "tierstate", "torch.load", "torch.load(mmap)", "dcp.load"]
 SAVED_BY = {"tierstate": "tierstate", "torch.load": "torch.save", "torch.load(mmap)": "torch.save",
             "dcp.load": "dcp.save"}
 SHM = Path("/dev/shm")
@@ -73,6 +82,49 @@ def timed_memcpy(state: GPTState, sources: list[torch.Tensor]) -> float:
     elapsed = time.perf_counter() - started
     if state.digest() != expected:
         raise RuntimeError("memcpy: restored state differs")
+    return elapsed
+
+
+def timed_memcpy_fresh(sources: list[torch.Tensor]) -> float:
+    """Copy every tensor's saved bytes into new tensors of their shapes (``torch.empty``, as ``materialize`` gives a
+    restarted model: its pages are faulted in by the copy); seconds."""
+    fresh = [torch.empty_like(src) for src in sources]
+    started = time.perf_counter()
+    with torch.no_grad():
+        for dst, src in zip(fresh, sources, strict=True):
+            dst.copy_(src)
+    elapsed = time.perf_counter() - started
+    if any(not torch.equal(dst, src) for dst, src in zip(fresh, sources, strict=True)):
+        raise RuntimeError("memcpy into fresh tensors: copied state differs")
+    return elapsed
+
+
+def saved_for_restarts(state: GPTState, directory: Path, step: int) -> Path:
+    """``state`` checkpointed at ``step`` into a memory tier at ``directory`` by a runner closed since, as a
+    crashed trainer leaves it for its restart."""
+    saver = memory_checkpointer(state, directory, cache_bytes=cache_for(state.tensor_bytes))
+    try:
+        time_save(saver, step)
+    finally:
+        saver.close()
+    return directory
+
+
+def timed_fresh_restore(preset: str, directory: Path, step: int, expected: float) -> float:
+    """Build the GPT and AdamW as a restart does (meta device, ``materialize``: untimed), restore ``step`` from the
+    memory tier at ``directory`` (one pass into the fresh parameters), check the fingerprint; seconds."""
+    state = build_gpt_for_restore(preset)
+    reader = Runner.from_yaml(DEFAULT_YAML, {"tiers": {"nvme": memory_tier_config(directory, 0, slots=False)},
+                                             "host_cache.size": 128 * MiB})  # fmt: skip
+    try:
+        reader.register(**state.providers())
+        started = time.perf_counter()
+        reader.restore(step)
+        elapsed = time.perf_counter() - started
+    finally:
+        reader.close()
+    if state.digest() != expected:
+        raise RuntimeError(f"{MEMORY_FRESH}: restored state differs")
     return elapsed
 
 
@@ -105,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--memory-dir", type=Path, default=SHM, help="the tmpfs of the memory tier (default /dev/shm)")
     args = cli.parse_args(argv)
     methods = [m for m in ALL if m in args.methods.split(",")]
+    methods = [m for m in ALL if m in methods or m in {FRESH[f] for f in methods if f in FRESH}]
     facts = start_run()
     state = build_gpt(args.preset)
     nbytes = state.tensor_bytes
     can_drop = drop_caches()
     cold: dict[str, list[float]] = {name: [] for name in DISK + methods}
-    warm: dict[str, list[float]] = {name: [] for name in methods if name != MEMCPY}
+    warm: dict[str, list[float]] = {name: [] for name in methods if name not in (MEMCPY, MEMCPY_FRESH, MEMORY_FRESH)}
     step = 1
     savers_wanted = list(dict.fromkeys(SAVED_BY[m] for m in methods if m in SAVED_BY))
     shm = Path(tempfile.mkdtemp(prefix="tierstate-bench-restore-", dir=args.memory_dir))
@@ -123,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         for saver in savers.values():
             time_save(saver, step)
         sources = [t.detach().clone() for t in live_tensors(state)] if MEMCPY in methods else []
+        restarts = saved_for_restarts(state, shm / "restarts", step) if MEMORY_FRESH in methods else shm
         probe = root / "disk-probe.bin"
         disk_write_seconds(probe, nbytes, direct=True)
         for repeat, name in interleave(DISK + methods, args.repeats):
@@ -132,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             elif name == MEMCPY:
                 cold[name].append(timed_memcpy(state, sources))
                 line = f"{cold[name][-1]:.3f} s"
+            elif name == MEMCPY_FRESH:
+                cold[name].append(timed_memcpy_fresh(sources))
+                line = f"{cold[name][-1]:.3f} s"
+            elif name == MEMORY_FRESH:
+                cold[name].append(timed_fresh_restore(args.preset, restarts, step, state.digest()))
+                line = f"{cold[name][-1]:.3f} s"
             else:
                 ckpt = savers[SAVED_BY.get(name, name)]
                 mmap_load = name == "torch.load(mmap)"
@@ -139,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                 warm[name].append(timed_restore(state, ckpt, step, cold=False, mmap_load=mmap_load))
                 line = f"cold {cold[name][-1]:.3f} s warm {warm[name][-1]:.3f} s"
             progress(f"round {repeat + 1} {name:20s} {line}")
-        stored = {name: savers[SAVED_BY.get(name, name)].stored_bytes(step) for name in methods if name != MEMCPY}
+        stored = {name: savers[SAVED_BY.get(name, name)].stored_bytes(step) for name in methods if name in savers
+                  or name in SAVED_BY}
     shutil.rmtree(shm, ignore_errors=True)
 
     disk_s = min(median(cold["disk cold read"]), median(cold["disk O_DIRECT read"]))
@@ -169,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     report.note("tierstate verifies an xxh3 checksum of every frame while reading; torch.load and DCP verify nothing")
     report.note("memcpy: dst.copy_(src) of every tensor from a host copy taken beforehand into the live one (the "
                 "floor of any restore into live tensors); a memory tier is tmpfs: its cold and warm reads are alike")
+    if MEMORY_FRESH in cold and MEMCPY_FRESH in cold:
+        fresh = median(cold[MEMORY_FRESH]) / median(cold[MEMCPY_FRESH])
+        report.note(f"into a fresh model (meta build + materialize, AdamW without state: what a restart restores into; "
+                    f"one pass into the parameters, the moments into buffers of their own): {fmt_ratio(fresh)} a "
+                    "memcpy of the same bytes into fresh tensors (whose pages the copy faults in too)")  # fmt: skip
     report.raw = {"state_bytes": nbytes, "cold": cold, "warm": warm, "stored": stored, "dropped": can_drop,
                   "args": vars(args)}
     publish("restore", [report], facts, argv, args.results_dir)

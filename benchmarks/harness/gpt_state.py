@@ -80,3 +80,16 @@ def build_gpt(
         state.train_step()
     state.optimizer.zero_grad(set_to_none=True)  # gradients are not checkpointed; do not count them as state
     return state
+
+
+def build_gpt_for_restore(preset: str, batch_size: int = 4, seed: int = 0) -> GPTState:
+    """The GPT and AdamW as a restarted trainer builds them for a restore: the model on the meta device
+    (``tierstate.empty_init``), given uninitialised storage (``tierstate.materialize``), AdamW with no state."""
+    from tierstate import empty_init, materialize
+
+    config = GPT_PRESETS[preset]
+    with empty_init():
+        model = GPT(config)
+    materialize(model)
+    optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95))
+    return GPTState(model, optimizer, TokenStream(batch_size, config.seq_len, seed=seed))

@@ -114,11 +114,16 @@ class MemoryTierCheckpointer(TierstateCheckpointer):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+def memory_tier_config(directory: Path, state_bytes: int, slots: bool) -> dict[str, Any]:
+    """A memory tier (``kind: memory``, keep_last 1) at ``directory`` (a tmpfs), room for 4x ``state_bytes`` (at
+    least 1 GiB): with ``slots`` capture writes into its preallocated files; without, through the host cache."""
+    size = max(4 * state_bytes, GiB)
+    return {"path": str(directory), "kind": "memory", "size": size, "retention": {"keep_last": 1}, "slots": slots}
+
+
 def memory_checkpointer(state: Any, directory: Path, slots: bool = True, **tierstate: Any) -> TierstateCheckpointer:
-    """tierstate persisting to a memory tier (``kind: memory``, keep_last 1) at ``directory`` (a tmpfs): with
-    ``slots`` capture writes into the tier's preallocated files; without, through the host cache and a write."""
-    tier = {"path": str(directory), "kind": "memory", "size": 4 * state.tensor_bytes, "retention": {"keep_last": 1},
-            "slots": slots}  # fmt: skip
+    """tierstate persisting to a memory tier at ``directory`` (a tmpfs; see :func:`memory_tier_config`)."""
+    tier = memory_tier_config(directory, state.tensor_bytes, slots)
     extra = tierstate.pop("overrides", None) or {}
     ckpt = MemoryTierCheckpointer(state, directory, overrides={"tiers": {"nvme": tier}, **extra}, **tierstate)
     where = "captured into its slots" if slots else "through the host cache (slots: false)"
