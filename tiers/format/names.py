@@ -50,6 +50,11 @@ def rank_file_name(rank: int, kind: RankFileKind) -> str:
     return f"rank-{rank:05d}.{kind}"
 
 
+def rank_dir_name(rank: int) -> str:
+    """The name of a directory of ``rank``'s own (its slot pool in a memory tier: tiers/storage/slotdirs.py)."""
+    return f"rank-{rank:05d}"
+
+
 def data_file_name(rank: int) -> str:
     """``rank``'s data file in the frames container."""
     return rank_file_name(rank, "data")

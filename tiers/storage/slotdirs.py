@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import ByteSize
 
-from ..format.names import parse_rank_file
+from ..format.names import parse_rank_file, rank_dir_name
 from .safeopen import is_real_dir
 
 POOL = ".slots"  # not a step name: listings, retention and gc never take it for a checkpoint
@@ -42,7 +42,7 @@ def pools_dir(root: Path) -> Path:
 
 def pool_dir(root: Path, rank: int) -> Path:
     """Rank ``rank``'s free data files in the tier at ``root``."""
-    return pools_dir(root) / f"rank-{rank:05d}"
+    return pools_dir(root) / rank_dir_name(rank)
 
 
 def free_name() -> str:
