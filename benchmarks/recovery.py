@@ -64,9 +64,10 @@ CHUNK = 64 * MiB
 # --- the trainer (parent and child processes alike) ----------------------------------------------
 
 
-def tierstate_config(root: Path, memory: Path, nbytes: int, flush_every: int | None) -> dict[str, Any]:
+def tierstate_config(root: Path, memory: Path, nbytes: int, flush_every: int | None, agent: bool) -> dict[str, Any]:
     """Persist to a memory tier holding two checkpoints (keep_last 1, as the README sizes it), flushed to NVMe
-    every ``flush_every`` steps (None: no NVMe tier, for measuring the memory tier's part of the cost)."""
+    every ``flush_every`` steps (None: no NVMe tier, for measuring the memory tier's part of the cost), by the
+    node agent (``agent``: a process of its own, niced) or by the runner in the trainer's process."""
     cache = (int(nbytes * 1.06) // CHUNK + 8) * CHUNK
     tiers: dict[str, Any] = {
         "memory": {"kind": "memory", "path": str(memory), "size": 2 * (nbytes + 64 * MiB),
@@ -75,7 +76,7 @@ def tierstate_config(root: Path, memory: Path, nbytes: int, flush_every: int | N
     if flush_every is not None:
         tiers["nvme"] = {"path": str(root / "nvme"), "scope": "node", "flush": {"every": flush_every},
                          "retention": {"keep_last": 1}}  # fmt: skip
-    return {"chunk_size": CHUNK, "host_cache": {"size": cache}, "tiers": tiers}
+    return {"chunk_size": CHUNK, "host_cache": {"size": cache}, "tiers": tiers, "agent": {"enabled": agent}}
 
 
 def _emit(event: str, **fields: Any) -> None:
@@ -92,6 +93,7 @@ class Trainer:
     root: Path
     memory: Path
     flush_every: int | None = 1  # tierstate: NVMe receives the checkpoints of steps that are multiples of it
+    agent: bool = True  # tierstate: flushed by the node agent (else by the runner, in the trainer's process)
     runner: Any = None
     ckpt: Any = None
     floor: Any = None
@@ -102,7 +104,7 @@ class Trainer:
         if self.method == "tierstate":
             from tierstate import Runner
 
-            config = tierstate_config(self.root, self.memory, self.state.tensor_bytes, self.flush_every)
+            config = tierstate_config(self.root, self.memory, self.state.tensor_bytes, self.flush_every, self.agent)
             self.runner = Runner.from_dict(config)
             self.runner.register(**self.state.providers())
         elif self.method == FLOOR:
@@ -238,7 +240,8 @@ def child(spec: dict[str, Any]) -> None:
     restart = spec["mode"] == "restart"
     state = build(spec["preset"], spec["method"], for_restore=restart)
     _emit("built")
-    trainer = Trainer(spec["method"], state, Path(spec["root"]), Path(spec["memory"]), spec.get("flush_every"))
+    trainer = Trainer(spec["method"], state, Path(spec["root"]), Path(spec["memory"]), spec.get("flush_every"),
+                      spec["agent"])
     trainer.open()
     trainer.on_durable = lambda step: _emit("durable", step=step)
     _emit("opened")
@@ -283,14 +286,14 @@ def _window(state: Any, trainer: Trainer | None, steps: int, step0: int) -> tupl
 MEMORY_ONLY = "tierstate (memory tier only)"
 
 
-def calibrate(preset: str, root: Path, memory: Path, repeats: int) -> dict[str, dict[str, float]]:
+def calibrate(preset: str, root: Path, memory: Path, repeats: int, agent: bool) -> dict[str, dict[str, float]]:
     """Per method: step time, cost per checkpoint, time to durable, and the interval that follows.
 
     tierstate is measured twice, with and without its flush to NVMe, so that the flush's share of the cost
     can be spread over several checkpoints (``flush.every``): see :func:`tierstate_interval`."""
     state = build(preset, "torch.save", for_restore=False)
-    trainers = {m: Trainer(m, state, root / f"calibrate-{m}", memory / f"calibrate-{m}") for m in METHODS}
-    trainers[MEMORY_ONLY] = Trainer("tierstate", state, root / "calibrate-mem", memory / "calibrate-mem", None)
+    trainers = {m: Trainer(m, state, root / f"calibrate-{m}", memory / f"calibrate-{m}", agent=agent) for m in METHODS}
+    trainers[MEMORY_ONLY] = Trainer("tierstate", state, root / "calibrate-mem", memory / "calibrate-mem", None, agent)
     for trainer in trainers.values():
         trainer.open()
     step = 10
@@ -379,14 +382,15 @@ class Process:
         return next(e for e in self.events if e["event"] == name)
 
 
-def one_failure(preset: str, method: str, facts: dict[str, float], root: Path, memory: Path,
+def one_failure(preset: str, method: str, facts: dict[str, float], root: Path, memory: Path, agent: bool,
                 rng: random.Random) -> dict[str, float]:  # fmt: skip
     """Start a trainer, SIGKILL it at a random moment of its checkpoint cycle, restart it; the parts."""
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(memory, ignore_errors=True)
     every = int(facts["every"])
     spec = {"preset": preset, "method": method, "root": str(root), "memory": str(memory), "every": every,
-            "first": max(0, every - 2), "mode": "start", "flush_every": facts.get("flush_every", 1)}  # fmt: skip
+            "first": max(0, every - 2), "mode": "start", "flush_every": facts.get("flush_every", 1),
+            "agent": agent}  # fmt: skip
     first = Process(spec)
     if not first.durable.wait(timeout=600):
         first.proc.kill()
@@ -430,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("recovery", __doc__, preset="medium", repeats=3)
     p.add_argument("--kills", type=int, default=5, help="failures per method")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    p.add_argument("--no-agent", dest="agent", action="store_false",
+                   help="tierstate's runner flushes to NVMe in the trainer's process (default: the node agent does)")
     args = p.parse_args(argv)
     facts = start_run()
     rng = random.Random(args.seed)
@@ -437,14 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     try:
         with bench_root("recovery") as root:
-            intervals = calibrate(args.preset, root, memory, args.repeats)
+            intervals = calibrate(args.preset, root, memory, args.repeats, args.agent)
             for method in METHODS:
                 f = intervals[method]
                 progress(f"{method}: step {f['step_s']:.3f} s, cost {f['cost_s'] * 1e3:.1f} ms per checkpoint, "
                          f"durable in {f['durable_s']:.2f} s -> every {f['every']} steps")  # fmt: skip
             for kill in range(args.kills):
                 for method in METHODS:
-                    got = one_failure(args.preset, method, intervals[method], root / method, memory / method, rng)
+                    got = one_failure(args.preset, method, intervals[method], root / method, memory / method,
+                                      args.agent, rng)
                     failures[method].append(got)
                     progress(f"kill {kill + 1} {method:15s} wasted {got['wasted_s']:.2f} s: " + ", ".join(
                         f"{k} {got[k]:.2f}" for k in PARTS) + f" (re-did {got['redo_steps']} steps)")  # fmt: skip
@@ -498,7 +505,8 @@ def _report(args: Any, intervals: dict[str, dict[str, float]], failures: dict[st
                 "them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
     report.note(f"tierstate: persist to a memory tier (/dev/shm, keep_last 1), costing {fmt_s(mem['cost_s'])} a "
                 f"checkpoint; NVMe receives every {int(ts['flush_every'] // ts['every'])}th (steps multiple of "
-                f"{int(ts['flush_every'])}: disk copies at least as often as the competitors'), each flush costing "
+                f"{int(ts['flush_every'])}: disk copies at least as often as the competitors', by "
+                f"{'the node agent' if args.agent else 'the runner in the trainer'}), each flush costing "
                 f"{fmt_s(ts['flush_cost_s'])}; the restart builds on the meta device + tierstate.materialize and "
                 "restores from memory (its runner resumes any flush the kill interrupted)")  # fmt: skip
     report.note("torch.save: sync, fsync + rename, torch.load; DCP async_save: background staging thread, dcp.load; "
