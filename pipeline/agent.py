@@ -85,6 +85,11 @@ class AgentFiles:
     def log(self) -> Path:
         return self.root / "log"
 
+    @property
+    def closed(self) -> Path:
+        """Written by each runner that closes: its time says a crash's restart came and ended cleanly."""
+        return self.root / "closed"
+
     def make(self) -> None:
         make_dir(self.root)
         make_dir(self.trainers)
@@ -110,21 +115,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def trainers_alive(files: AgentFiles) -> list[int]:
-    """The attached runners' processes that still live; the files of dead ones are removed."""
-    alive = []
+def _attached(files: AgentFiles) -> list[int]:
+    """The pids of the runners that said they are attached, alive or not."""
     try:
-        names = os.listdir(files.trainers)
+        return sorted(int(name) for name in os.listdir(files.trainers) if name.isdigit())
     except FileNotFoundError:
         return []
-    for name in names:
-        if not name.isdigit():
-            continue
-        if _alive(int(name)):
-            alive.append(int(name))
+
+
+def trainers_alive(files: AgentFiles) -> tuple[list[int], int]:
+    """The attached runners' processes that still live, and how many died attached (their runner never closed:
+    a crash, which a restart may follow); the files of the dead are removed."""
+    alive, died = [], 0
+    for pid in _attached(files):
+        if _alive(pid):
+            alive.append(pid)
         else:
-            detach(files, int(name))
-    return sorted(alive)
+            detach(files, pid)
+            died += 1
+    return alive, died
+
+
+def agent_status(tier_root: Path) -> str | None:
+    """What ``tierstate ls`` says of the agent of the persist tier at ``tier_root`` (reading only): running or
+    not, and the live trainers attached; None where no agent ever ran."""
+    files = AgentFiles(tier_root / AGENT_DIR)
+    if not files.root.is_dir():
+        return None
+    pid, trainers = agent_pid(files), [p for p in _attached(files) if _alive(p)]
+    attached = f"{len(trainers)} trainer(s) attached" + (f" (pids {', '.join(map(str, trainers))})" if trainers else "")
+    return f"{'running (pid ' + str(pid) + ')' if pid is not None else 'not running'}, {attached}; log {files.log}"
 
 
 @contextlib.contextmanager
@@ -239,6 +259,7 @@ class AgentLink:
 
     def close(self) -> None:
         detach(self._files)
+        write_durably(self._files.closed, b"")
 
 
 def _logged(outcome: FlushOutcome) -> None:
@@ -251,13 +272,23 @@ def _logged(outcome: FlushOutcome) -> None:
         log.error("%s: %s", where, outcome.error)
 
 
+def _closed_after(files: AgentFiles, moment: float) -> bool:
+    """Whether a runner closed after ``moment`` (wall clock, as file times are): a restart that came and went
+    between two looks of the agent."""
+    try:
+        return os.stat(files.closed).st_mtime > moment
+    except FileNotFoundError:
+        return False
+
+
 def load_agent_config(path: Path) -> PipelineConfig:
     return parse_config(json.loads(path.read_text()), source=str(path))
 
 
-def run_agent(config: PipelineConfig, nice: int = 10, poll_max: float = POLL_MAX) -> int:
+def run_agent(config: PipelineConfig, poll_max: float = POLL_MAX) -> int:
     """The agent's loop (``tierstate agent``): flush what is pending, prune, look again; until no trainer is
-    attached and nothing is left. Exit code 0, also when another agent runs on this node already."""
+    attached and nothing is left, and ``agent.linger`` seconds have passed since a trainer was last found dead
+    (its restart reattaches meanwhile). Exit code 0, also when another agent runs on this node already."""
     files = AgentFiles.of(config)
     files.make()
     with agent_lock(files) as mine:
@@ -265,7 +296,7 @@ def run_agent(config: PipelineConfig, nice: int = 10, poll_max: float = POLL_MAX
             log.info("an agent runs on this node already (pid %s): leaving the flushes to it", agent_pid(files))
             return 0
         with contextlib.suppress(OSError):
-            os.nice(nice)  # the trainer's cores come first
+            os.nice(config.agent.nice)  # the trainer's cores come first
         tiers = [
             TierPolicies(FilesystemTier(name, spec.path, spec.scope), spec.retention, spec.flush)
             for name, spec in config.tiers.items()
@@ -277,11 +308,17 @@ def run_agent(config: PipelineConfig, nice: int = 10, poll_max: float = POLL_MAX
         ]
         graph = graph_of(tiers, [(b.tier.name, b.flush) for b in buckets])
         pacers = {edge.target: Pacer(edge.policy.bandwidth) for edge in graph.edges}
-        pause = 0.02
+        pause, crashed = 0.02, float("-inf")  # when a trainer was last found dead (wall clock: see _closed_after)
         while True:
             run = flush_pending(tiers, buckets, pacers, _logged)
             done = any(o.error is None for o in run.outcomes) or any(d.delete for d in run.pruned)
-            if not done and not trainers_alive(files):
+            alive, died = trainers_alive(files)
+            if died:
+                crashed = time.time()
+                log.info("%d trainer(s) died attached: waiting up to %g s for a restart", died, config.agent.linger)
+            elif alive or _closed_after(files, crashed):
+                crashed = float("-inf")  # restarted since (or never crashed): it ends with its trainers, as usual
+            if not done and not alive and time.time() - crashed >= config.agent.linger:
                 # Nothing moved this pass and no trainer is left: whatever failed is left pending (marked by
                 # ls), for the next run's agent or runner, or tierstate flush.
                 left = sum(o.error is not None for o in run.outcomes)

@@ -194,10 +194,13 @@ class CadenceConfig(Strict):
 
 class AgentConfig(Strict):
     """The node agent (pipeline/agent.py): ``enabled``, flushes and retention run in a process of their own per
-    node that outlives the trainer, niced by ``nice``, instead of in the trainer's process."""
+    node that outlives the trainer, niced by ``nice``, instead of in the trainer's process. After a trainer died
+    (its runner never closed) the agent waits ``linger`` seconds for the restart to attach to it, which then
+    starts no agent of its own; once every trainer closed its runner it ends as soon as nothing is left to do."""
 
     enabled: StrictBool = False
     nice: Annotated[StrictInt, Field(ge=0, le=19)] = 10
+    linger: Annotated[float, Field(ge=0)] = 120.0
 
 
 TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]*$")]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from tierstate import cli
 from tierstate.pipeline.agent import AgentFiles, agent_pid
 from tierstate.pipeline.config import parse_config
 from tierstate.pipeline.runner import Runner
@@ -30,14 +31,14 @@ from tierstate.tiers.storage.filesystem import FilesystemTier
 MiB = 1 << 20
 
 
-def _layout(root: Path, bandwidth: str | None = None) -> dict[str, Any]:
+def _layout(root: Path, bandwidth: str | None = None, linger: float = 120.0) -> dict[str, Any]:
     return {
         "tiers": {
             "memory": {"kind": "memory", "path": str(root / "memory"), "size": "64MiB", "retention": {"keep_last": 1}},
             "nvme": {"path": str(root / "nvme"), "flush": {"every": 1, "bandwidth": bandwidth},
                      "retention": {"keep_last": 3}},
         },
-        "chunk_size": "1MiB", "host_cache": {"size": "4MiB"}, "agent": {"enabled": True},
+        "chunk_size": "1MiB", "host_cache": {"size": "4MiB"}, "agent": {"enabled": True, "linger": linger},
     }  # fmt: skip
 
 
@@ -64,7 +65,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((MiB,), float(step)), "b": torch.arange(7) + step}
 
 
-def test_the_runner_leaves_the_flushes_to_an_agent_that_ends_with_it(tmp_path):
+def test_the_runner_leaves_the_flushes_to_an_agent_that_ends_with_it(tmp_path, capsys):
     runner = Runner.from_dict(_layout(tmp_path))
     state = _state(0)
     runner.register(model=TensorDictProvider(state))
@@ -74,6 +75,11 @@ def test_the_runner_leaves_the_flushes_to_an_agent_that_ends_with_it(tmp_path):
         state.update(_state(step))
         handle = runner.checkpoint(step)
         assert handle.tier_futures["nvme"].result(timeout=60) == tmp_path / "nvme" / f"step-{step}"
+    assert cli.main(["ls", f"--tier=memory={tmp_path / 'memory'}", f"--tier=nvme={tmp_path / 'nvme'}"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    running = f"agent on memory: running (pid {pid}), 1 trainer(s) attached (pids {os.getpid()}); log "
+    assert any(line.startswith(running) for line in said), said
+    assert said[-1].startswith("slots on memory: rank 0: 1 free file(s), ")  # the pool capture writes into
     runner.close()
     assert runner.flush_failures == []
     assert _gone(pid, 30), "the agent outlived its last trainer with nothing left to flush"
@@ -83,6 +89,9 @@ def test_the_runner_leaves_the_flushes_to_an_agent_that_ends_with_it(tmp_path):
         read = StoredCheckpoint(nvme.step_dir(step), step).read()
         assert torch.equal(read["model/w"], _state(step)["w"])
     assert FilesystemTier("memory", tmp_path / "memory").steps() == [4]
+    assert cli.main(["ls", f"--tier=memory={tmp_path / 'memory'}"]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[-1].startswith("agent on memory: not running, 0 trainer(s) attached"), said  # closed: no pool left
 
 
 # A trainer that checkpoints steps 1..4 with the agent on and prints each durable step, then waits to be killed.
@@ -103,8 +112,8 @@ sys.stdin.read()
 
 def test_a_killed_trainers_committed_checkpoints_reach_nvme_through_the_agent(tmp_path):
     """16 MiB a step at 16 MB/s to NVMe: when the trainer dies, steps are committed in memory and not flushed;
-    the agent flushes every one of them without a restart, then ends."""
-    layout = _layout(tmp_path, bandwidth="16MB")
+    the agent flushes every one of them without a restart, then ends (no restart within its linger)."""
+    layout = _layout(tmp_path, bandwidth="16MB", linger=0.5)
     config = tmp_path / "layout.json"
     config.write_text(json.dumps(layout))
     trainer = subprocess.Popen(
@@ -126,6 +135,34 @@ def test_a_killed_trainers_committed_checkpoints_reach_nvme_through_the_agent(tm
     for step in nvme.steps():
         read = StoredCheckpoint(nvme.step_dir(step), step).read()
         assert torch.equal(read["model/w"], torch.full((4 << 20,), float(step)))
+
+
+def test_a_restarted_trainer_reattaches_to_the_agent_its_crash_left(tmp_path):
+    """The agent outlives a killed trainer by its linger: the restart finds it, starts none, and restores; once
+    that runner closes the agent ends at once (the linger is for crashes)."""
+    config = tmp_path / "layout.json"
+    config.write_text(json.dumps(_layout(tmp_path)))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(config)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert trainer.stdout is not None
+    assert [int(trainer.stdout.readline()) for _ in range(4)] == [1, 2, 3, 4]
+    pid = _agent(tmp_path)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    nvme = FilesystemTier("nvme", tmp_path / "nvme")
+    deadline = time.monotonic() + 60
+    while nvme.steps() != [2, 3, 4] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the agent is another process: its progress is only seen on the tier
+    assert nvme.steps() == [2, 3, 4] and not _gone(pid, 1.0), "the agent ended before a restart could come"
+    runner = Runner.from_dict(_layout(tmp_path))
+    assert _agent(tmp_path) == pid, "the restart started an agent of its own"
+    state = {"w": torch.zeros(4 << 20)}
+    runner.register(model=TensorDictProvider(state))
+    assert runner.restore().step == 4 and bool((state["w"] == 4).all())
+    runner.close()
+    assert pid is not None and _gone(pid, 30)
 
 
 def test_a_second_agent_on_a_node_leaves_the_flushes_to_the_first(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierstate import cli
 from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.pipeline.plan import plan_checkpoint
 from tierstate.pipeline.runner import Runner
@@ -57,7 +58,7 @@ def _files(root: Path) -> dict[int, str]:
     return found
 
 
-def test_retention_hands_files_back_and_the_tier_stays_flat(memory_dir: Path) -> None:
+def test_retention_hands_files_back_and_the_tier_stays_flat(memory_dir: Path, capsys) -> None:
     """Twelve checkpoints: from the second on the same two files take turns, the tier's bytes do not move,
     and the file each checkpoint writes is never the newest committed one's."""
     runner = memory_runner(memory_dir)
@@ -79,6 +80,8 @@ def test_retention_hands_files_back_and_the_tier_stays_flat(memory_dir: Path) ->
     assert all(files == inodes[1] for files in inodes[1:]), inodes
     assert len(set(used[1:])) == 1, used
     saved = state["w"].clone()
+    assert cli.main(["ls", f"--tier=memory={memory_dir}"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("slots on memory: rank 0: 1 free file(s), ")
     runner.close()
     assert not pool_dir(memory_dir, 0).exists(), "close() gives the free file's memory back"
     assert memory.steps() == [12]

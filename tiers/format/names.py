@@ -20,6 +20,7 @@ DATA_KINDS: tuple[RankFileKind, ...] = ("data", "h5")  # the frames container, t
 
 # \Z, not $: "$" also matches before a trailing newline; [0-9], not \d: \d matches any Unicode digit.
 _RANK_FILE = re.compile(r"^rank-([0-9]{5})\.(data|h5|index)\Z")
+_RANK_DIR = re.compile(r"^rank-([0-9]{5})\Z")
 #: A step as its name spells it: no leading zero (``step-04`` names nothing), at most 18 digits (a manifest's
 #: steps stay below 2**50; int() of a name of thousands of digits would raise instead of answering None).
 STEP_NUMBER = r"(0|[1-9][0-9]{0,17})"
@@ -53,6 +54,12 @@ def rank_file_name(rank: int, kind: RankFileKind) -> str:
 def rank_dir_name(rank: int) -> str:
     """The name of a directory of ``rank``'s own (its slot pool in a memory tier: tiers/storage/slotdirs.py)."""
     return f"rank-{rank:05d}"
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """The rank whose own directory ``name`` is (:func:`rank_dir_name`), or None."""
+    match = _RANK_DIR.match(name)
+    return None if match is None else int(match.group(1))
 
 
 def data_file_name(rank: int) -> str:

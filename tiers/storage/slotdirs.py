@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import ByteSize
 
-from ..format.names import parse_rank_file, rank_dir_name
+from ..format.names import parse_rank_dir, parse_rank_file, rank_dir_name
 from .safeopen import is_real_dir
 
 POOL = ".slots"  # not a step name: listings, retention and gc never take it for a checkpoint
@@ -59,6 +59,22 @@ def free_files(pool: Path) -> list[os.DirEntry[str]]:
             return [e for e in listing if e.name.startswith(FREE_PREFIX) and e.is_file(follow_symlinks=False)]
     except FileNotFoundError:
         return []
+
+
+def pool_holdings(root: Path) -> dict[int, tuple[int, int]]:
+    """Each rank's pool in the tier at ``root``: how many free files it holds and the bytes they keep allocated
+    (what ``tierstate ls`` shows; empty where no runner captures into slots)."""
+    holdings = {}
+    pools = pools_dir(root)
+    if not is_real_dir(pools):
+        return {}
+    for entry in sorted(os.scandir(pools), key=lambda e: e.name):
+        rank = parse_rank_dir(entry.name)
+        if rank is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        free = free_files(Path(entry.path))
+        holdings[rank] = (len(free), sum(f.stat(follow_symlinks=False).st_blocks * 512 for f in free))
+    return holdings
 
 
 def recycle(root: Path, doomed: Path) -> int:

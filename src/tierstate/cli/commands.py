@@ -35,6 +35,7 @@ from ..tiers.reading.stored import Location, StoredCheckpoint, read_first_clean
 from ..tiers.storage.filesystem import FilesystemTier, InvalidEntry
 from ..tiers.storage.locks import InUseError
 from ..tiers.storage.peers import peer_copies
+from ..tiers.storage.slotdirs import pool_holdings
 from ..tiers.storage.tier import Tier
 
 Writer = Callable[[StoredCheckpoint, Path, Callable[[int], None] | None], ExportReport]
@@ -78,6 +79,21 @@ def _tier_entries(chain: Sequence[FilesystemTier], tier: FilesystemTier) -> list
             entry = {"tier": tier.name, "step": step, "state": "invalid", "error": str(exc)}
         entries.append(entry)
     return entries + invalid_entries(tier) + leftover_entries(tier)
+
+
+def node_state(tiers: Sequence[FilesystemTier]) -> list[dict[str, Any]]:
+    """What lives beside the checkpoints of ``tiers`` on this node: a node agent and the trainers attached to it
+    (pipeline/agent.py), and each rank's slot pool of a memory tier (tiers/storage/slotdirs.py)."""
+    from ..pipeline.agent import agent_status  # the agent's module loads the runner's config machinery
+
+    found: list[dict[str, Any]] = []
+    for tier in tiers:
+        status = agent_status(tier.root)
+        if status is not None:
+            found.append({"tier": tier.name, "agent": status})
+        for rank, (files, held) in pool_holdings(tier.root).items():
+            found.append({"tier": tier.name, "rank": rank, "free_files": files, "allocated_bytes": held})
+    return found
 
 
 def step_location(tiers: Sequence[Tier], step: int) -> Location:

@@ -212,3 +212,13 @@ def exported(result: Exported | ExportFailure, as_json: bool) -> int:
     line = f"step {report.step} ({result.tier}): {report.items} items, {size(report.bytes)} -> {report.path}"
     emit(as_json, [{**report.as_dict(), "tier": result.tier}], [line])
     return 0
+
+
+def node_state(found: list[dict[str, Any]]) -> None:
+    """One line per agent and per slot pool (cli/commands.py ``node_state``), under the ls table."""
+    for entry in found:
+        if "agent" in entry:
+            print(f"agent on {entry['tier']}: {entry['agent']}")
+        else:
+            print(f"slots on {entry['tier']}: rank {entry['rank']}: {entry['free_files']} free file(s), "
+                  f"{size(entry['allocated_bytes'])} allocated")

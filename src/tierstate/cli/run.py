@@ -56,7 +56,10 @@ def _ls(args: argparse.Namespace) -> int:
     graph = graph_of(policies, [(b.tier.name, b.flush) for b in buckets])
     entries = mark_pending(commands.list_checkpoints(tiers), policies, graph)
     entries += [entry for bucket in buckets for entry in bucket_entries(bucket.tier)]
-    return render.checkpoints(entries, [t.tier.name for t in [*policies, *buckets]], args.json)
+    render.checkpoints(entries, [t.tier.name for t in [*policies, *buckets]], args.json)
+    if not args.json:  # the processes and memory beside the tiers, below the table
+        render.node_state(commands.node_state(tiers))
+    return 0
 
 
 def _checkpoint(args: argparse.Namespace) -> Location:
@@ -222,7 +225,7 @@ def _agent(args: argparse.Namespace) -> int:
     logging.getLogger("tierstate").addHandler(handler)
     logging.getLogger("tierstate").setLevel(logging.INFO)
     config = options.load_config_at(args.config, args.node)
-    return run_agent(config, nice=config.agent.nice)
+    return run_agent(config)
 
 
 def _gc(args: argparse.Namespace) -> int:
