@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,15 @@ class Cadence:
     _costs: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=COSTS))
     _open: _Open | None = None
     _busy: list[CheckpointHandle] = field(default_factory=list)
+
+    def maybe(self, step: int, checkpoint: Callable[[int], CheckpointHandle]) -> CheckpointHandle | None:
+        """``checkpoint(step)`` if ``step`` is due, timed from this call; its handle, else None."""
+        requested = time.perf_counter()
+        if not self.due(step, requested):
+            return None
+        handle = checkpoint(step)
+        self.taken(step, handle, requested)
+        return handle
 
     def due(self, step: int, now: float) -> bool:
         """Whether ``step`` (the call at ``now``, once per training step) is to be checkpointed."""

@@ -122,8 +122,7 @@ class Runner:
         hold(self, [(name, config.tiers[name].path) for name in written_tiers(config)])
         warn_unbounded(config)
         self._group = group_for_runner(distributed, rank, config.policies.in_flight, group_timeout)
-        # The ranks of this job, one process being a group of one (pipeline/solo.py): the collectives of
-        # listing, restoring and closing are the same code for one rank as for many.
+        # The ranks of this job, one process a group of one (pipeline/solo.py): one code for any number of ranks.
         self._ranks: RestoreGroup = self._group if self._group is not None else SoloGroup()
         self.rank = self._group.rank if self._group is not None else rank or 0
         self.providers = CompositeProvider()
@@ -139,7 +138,7 @@ class Runner:
         self._inflight: HandleCompleter | None = None
         self._lock = threading.Lock()
         self._owner_pid = os.getpid()
-        # The latest checkpoints that reached the pipeline, oldest first, with their stats (``handle.stats``).
+        # The latest checkpoints that reached the pipeline, oldest first, with their stats.
         self.history: collections.deque[tuple[CheckpointHandle, CheckpointStats]] = collections.deque(
             maxlen=history_size
         )
@@ -148,10 +147,8 @@ class Runner:
         self._metrics_lock = threading.Lock()
         # kind: s3 tiers (pipeline/buckets.py), checked here: bad credentials or a missing bucket fail now.
         self._buckets = Buckets(config)
-        # Background flushes along the flush graph, buckets included, and retention (pipeline/flush.py): who
-        # does what in FlushRole (many ranks: a shared persist tier's leader copies whole steps, each node's
-        # leader its node's part).
-        # With agent.enabled, a node agent process does the copies (pipeline/agent.py); None if it cannot run.
+        # Background flushes along the flush graph and retention (pipeline/flush.py), who does what in FlushRole;
+        # with agent.enabled a node agent process copies (pipeline/agent.py; None if it cannot run: we copy).
         agent = AgentLink.started(config) if config.agent.enabled else None
         role = FlushRole.of(config, self._group, group_timeout, agent=agent is not None)
         self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._engine.loop, role)
@@ -307,13 +304,8 @@ class Runner:
         """Call after every optimizer step: checkpoints ``step`` when ``cadence`` says it is due (every N steps, or
         with ``every: auto`` as often as its measured cost stays within the budget: pipeline/cadence.py), and
         returns its handle; None otherwise. Collective with many ranks where a checkpoint is taken."""
-        requested = time.perf_counter()
         self._refuse_if_closed(f"maybe_checkpoint({step!r})")
-        if not self._cadence.due(step, requested):
-            return None
-        handle = self.checkpoint(step)
-        self._cadence.taken(step, handle, requested)
-        return handle
+        return self._cadence.maybe(step, self.checkpoint)
 
     def _job_context(self, declined: BaseException | None) -> JobContext:
         """What a job borrows; with many ranks, the commit among them (``declined``: this rank gives the step up)."""
