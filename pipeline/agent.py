@@ -147,20 +147,29 @@ def agent_status(tier_root: Path) -> str | None:
     return f"{'running (pid ' + str(pid) + ')' if pid is not None else 'not running'}, {attached}; log {files.log}"
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 @contextlib.contextmanager
-def agent_lock(files: AgentFiles) -> Iterator[bool]:
-    """Hold the node's agent lock while the block runs, writing this pid into it; False (held by no one
-    here) if another agent holds it."""
+def agent_lock(files: AgentFiles) -> Iterator[tuple[int, int] | None]:
+    """Hold the node's agent lock while the block runs, writing this pid into it: the lock file's identity
+    (device, inode), or None (held by no one here) if another agent holds it."""
     fd = open_or_create(files.lock, os.O_RDWR)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
+            yield None
             return
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield True
+        stat = os.fstat(fd)
+        yield stat.st_dev, stat.st_ino
     finally:
         os.close(fd)
 
@@ -292,7 +301,7 @@ def run_agent(config: PipelineConfig, poll_max: float = POLL_MAX) -> int:
     files = AgentFiles.of(config)
     files.make()
     with agent_lock(files) as mine:
-        if not mine:
+        if mine is None:
             log.info("an agent runs on this node already (pid %s): leaving the flushes to it", agent_pid(files))
             return 0
         with contextlib.suppress(OSError):
@@ -310,6 +319,11 @@ def run_agent(config: PipelineConfig, poll_max: float = POLL_MAX) -> int:
         pacers = {edge.target: Pacer(edge.policy.bandwidth) for edge in graph.edges}
         pause, crashed = 0.02, float("-inf")  # when a trainer was last found dead (wall clock: see _closed_after)
         while True:
+            if _identity(files.lock) != mine:
+                # The tier's directory was removed (or its agent files replaced): what this agent would copy
+                # and prune is no longer its node's, and a new runner there starts an agent of its own.
+                log.info("the agent's lock %s is gone or replaced: the agent stops", files.lock)
+                return 0
             run = flush_pending(tiers, buckets, pacers, _logged)
             done = any(o.error is None for o in run.outcomes) or any(d.delete for d in run.pruned)
             alive, died = trainers_alive(files)

@@ -291,6 +291,29 @@ def ddp_resume(s: Scenario) -> None:
     s.record(step=counter["step"], losses=losses)
 
 
+def cadence(s: Scenario) -> None:
+    """Sixteen DDP steps with ``maybe_checkpoint`` (``every: auto``) after each, rank 1's steps after a checkpoint
+    slower (its cost measures higher): the ranks still take the same steps, each one committed."""
+    model, opt = _ddp(seed=0)
+    base = s.workdir / "tiers" / "cadence"
+    settings = {"tiers": {"nvme": {"path": str(base / "nvme")}, "pfs": {"path": str(base / "pfs")}},
+                "cadence": {"every": "auto", "warmup": 2}}  # fmt: skip
+    runner = Runner.from_yaml(CONFIG, settings, group_timeout=GROUP_TIMEOUT_S)
+    runner.register(model=ModuleProvider(model, replicated=True), optim=OptimizerProvider(opt, replicated=True))
+    taken, handles = [], []
+    for step in range(1, 17):
+        _ddp_step(model, opt)
+        if s.rank == 1 and taken and taken[-1] == step - 1:
+            time.sleep(0.2)  # rank 1's trainer loses more to each checkpoint (simulated work, not a wait)
+        handle = runner.maybe_checkpoint(step)
+        if handle is not None:
+            taken.append(step)
+            handles.append(handle)
+    outcomes = [h.wait(GROUP_TIMEOUT_S) and h.exception() is None for h in handles]
+    runner.close()
+    s.record(taken=taken, committed=outcomes)
+
+
 # --- ranks whose tiers hold different steps agree on one, or all fail alike -------------------------------------
 
 AGREE_STEPS = (1, 2, 3)
@@ -438,6 +461,7 @@ SCENARIOS: dict[str, Callable[[Scenario], None]] = {
     "ddp-resume": ddp_resume,
     "agree-save": agree_save,
     "agree": agree,
+    "cadence": cadence,
 }
 
 

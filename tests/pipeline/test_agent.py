@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,6 +164,24 @@ def test_a_restarted_trainer_reattaches_to_the_agent_its_crash_left(tmp_path):
     assert runner.restore().step == 4 and bool((state["w"] == 4).all())
     runner.close()
     assert pid is not None and _gone(pid, 30)
+
+
+def test_an_agent_whose_tier_was_removed_stops_instead_of_lingering(tmp_path):
+    """A job's tiers deleted after its trainer died (a benchmark's next trial, a cleanup): the lingering agent
+    stops, so it neither works on what a new job puts at that path nor keeps a new runner from starting its own."""
+    config = tmp_path / "layout.json"
+    config.write_text(json.dumps(_layout(tmp_path)))  # linger 120 s
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(config)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert trainer.stdout is not None
+    assert int(trainer.stdout.readline()) == 1
+    pid = _agent(tmp_path)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    shutil.rmtree(tmp_path / "memory")
+    assert pid is not None and _gone(pid, 30), "the agent of a removed tier lingered on"
 
 
 def test_a_second_agent_on_a_node_leaves_the_flushes_to_the_first(tmp_path):

@@ -78,7 +78,7 @@ def expected_whole() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("ranks")
-    torchrun(workdir, "save", "ddp", "agree-save", "failures")  # failures last: rank 1 leaves the process in it
+    torchrun(workdir, "save", "ddp", "agree-save", "cadence", "failures")  # failures last: rank 1 leaves in it
     providers, _ = whole_layout(scrambled=False)
     with runner_on(workdir / "tiers" / "single") as runner:  # what the 1 -> 2 reshard loads
         runner.register(**providers)
@@ -170,6 +170,14 @@ def test_ddp_training_resumes_with_identical_losses(work):
     for rank in (0, 1):
         assert resumed[rank]["step"] == 4
         assert resumed[rank]["losses"] == trained[rank]["losses"], rank  # exact floats
+
+
+def test_ranks_with_an_auto_cadence_checkpoint_the_same_steps(work):
+    """Each rank times its own steps and checkpoints; rank 1 measures more: they agree at each checkpoint."""
+    ranks = facts(work, "cadence")
+    assert ranks[0]["taken"] == ranks[1]["taken"], ranks
+    assert ranks[0]["taken"][0] == 3 and len(ranks[0]["taken"]) >= 2  # the first after the warm-up's 2 steps
+    assert all(r["committed"] == [True] * len(r["taken"]) for r in ranks)
 
 
 def test_tier_tool_shows_multi_rank_checkpoints(work, capsys):
