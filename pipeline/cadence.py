@@ -24,7 +24,6 @@ the interval before.
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
@@ -33,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .config import PipelineConfig
+from .distributed import CheckpointGroup
 from .handle import CheckpointHandle
-from .solo import RestoreGroup
 
 SAMPLES = 32  # step times kept: the median of the recent ones follows a changing step time
 COSTS = 5  # checkpoint costs kept, for the same reason
@@ -128,9 +127,13 @@ class Cadence:
         return max(1, durable, math.ceil(cost / (self.budget * step)) if step > 0 else 1)
 
 
-def cadence_of(config: PipelineConfig, ranks: RestoreGroup) -> Cadence:
-    """The cadence ``config`` asks for, its intervals agreed among ``ranks``."""
+def cadence_of(config: PipelineConfig, group: CheckpointGroup | None) -> Cadence:
+    """The cadence ``config`` asks for, its intervals agreed among the ranks of ``group`` (None: one process)."""
     forced = sorted({edge.policy.every for edge in config.flush_graph().edges if edge.policy.every > 1})
     settings = config.cadence
-    agree = functools.partial(ranks.all_gather, what="cadence: the next interval")
+    agree = group.side_gather("cadence: the next interval") if group is not None else _alone
     return Cadence(settings.every, settings.budget, settings.warmup, forced, agree)
+
+
+def _alone(proposal: int) -> list[int]:
+    return [proposal]

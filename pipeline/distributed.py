@@ -118,6 +118,19 @@ class CheckpointGroup:
     def all_gather(self, value: Any, what: str) -> list[Any]:
         return self._gather(value, what, self.group, self.world_size)
 
+    def side_gather(self, what: str) -> Callable[[Any], list[Any]]:
+        """An all-gather over a gloo group of its own, made at its first call: for the trainer's thread, whose
+        collectives must not interleave with those the pipeline's threads run on :attr:`group` meanwhile (a
+        commit). Collective: every rank's first call comes at the same point of the program."""
+        own: list[dist.ProcessGroup] = []
+
+        def gather(value: Any) -> list[Any]:
+            if not own:
+                own.append(_member(dist.new_group(backend="gloo", timeout=self.timeout), what))
+            return self._gather(value, what, own[0], self.world_size)
+
+        return gather
+
     def node_all_gather(self, value: Any, what: str) -> list[Any]:
         """One value per rank of this node, in the order of :attr:`node_ranks`."""
         return self._gather(value, what, self.node, len(self.node_ranks))

@@ -152,7 +152,7 @@ class Runner:
         agent = AgentLink.started(config) if config.agent.enabled else None
         role = FlushRole.of(config, self._group, group_timeout, agent=agent is not None)
         self._flusher = Flusher(config, self.tiers, self._buckets.tiers, self._engine.loop, role)
-        self._cadence = cadence_of(config, self._ranks)
+        self._cadence = cadence_of(config, self._group)
         self._flusher.resume()  # copies a crashed run left due on a later tier go on there, in the background
         self.flush_failures: list[FlushFailure] = []
         # Peer copies of node parts on a partner node (replicas: 1), pipeline/peers.py; collective to build.
