@@ -259,12 +259,21 @@ class AgentLink:
             return None
 
     def committed(self, completer: HandleCompleter) -> None:  # noqa: ARG002 - the protocol's signature
+        self._running()
+
+    def drain(self) -> list[FlushFailure]:
+        """Before the flusher waits for the agent's copies (it drains next): an agent that died since the last
+        commit is started again, or that wait would last its whole timeout."""
+        try:
+            self._running()
+        except (AgentError, OSError) as exc:
+            log.error("the node agent could not be started again (%s): the flusher reports what is missing", exc)
+        return []  # the flusher waits for the agent's copies and reports what did not come
+
+    def _running(self) -> None:
         if agent_pid(self._files) is None:
             log.warning("the node agent of tier %s is not running: starting it again", self._config.persist_tier)
             start_agent(self._config)
-
-    def drain(self) -> list[FlushFailure]:
-        return []  # the flusher waits for the agent's copies and reports what did not come
 
     def close(self) -> None:
         detach(self._files)

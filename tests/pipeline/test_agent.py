@@ -220,6 +220,37 @@ def test_an_agent_that_died_is_started_again_at_the_next_commit(tmp_path):
     assert FilesystemTier("nvme", tmp_path / "nvme").steps() == [1, 2]
 
 
+def test_an_agent_killed_mid_flush_is_started_again_and_the_step_arrives_whole(tmp_path):
+    """16 MiB at 8 MB/s: the agent is SIGKILLed while its copy of step 1 is a partial directory on NVMe; the next
+    commit starts another, which copies step 1 again from the start, and both steps arrive whole."""
+    runner = Runner.from_dict(_layout(tmp_path, bandwidth="8MB"))
+    state = {"w": torch.full((4 << 20,), 1.0)}
+    runner.register(model=TensorDictProvider(state))
+    first = _agent(tmp_path)
+    assert first is not None
+    handles = [runner.checkpoint(1)]
+    partial = tmp_path / "nvme" / "step-1.partial"
+    deadline = time.monotonic() + 60
+    while not partial.exists():
+        assert time.monotonic() < deadline, "the agent never started copying step 1"
+        time.sleep(0.01)  # the agent is another process: its progress is only seen on the tier
+    os.kill(first, signal.SIGKILL)
+    assert _gone(first, 30)
+    state["w"].fill_(2.0)
+    handles.append(runner.checkpoint(2))  # its commit finds the agent dead and starts another
+    for handle in handles:
+        handle.tier_futures["nvme"].result(timeout=120)
+    again = _agent(tmp_path)
+    runner.close()
+    assert again is not None and again != first and runner.flush_failures == []
+    nvme = FilesystemTier("nvme", tmp_path / "nvme")
+    assert nvme.steps() == [1, 2] and not partial.exists()
+    for step in (1, 2):
+        read = StoredCheckpoint(nvme.step_dir(step), step).read()
+        assert torch.equal(read["model/w"], torch.full((4 << 20,), float(step)))
+    assert _gone(again, 30)
+
+
 @pytest.mark.parametrize("enabled", [True])
 def test_the_agent_config_is_the_runners(tmp_path, enabled):
     """What the runner writes for its agent reads back as the very config it runs."""
