@@ -46,6 +46,7 @@ from ..tiers.ops.pacing import Pacer
 from ..tiers.ops.pending import FlushOutcome, flush_pending
 from ..tiers.ops.retention import BucketPolicies, TierPolicies, graph_of
 from ..tiers.storage.filesystem import FilesystemTier
+from ..tiers.storage.locks import still_there
 from ..tiers.storage.safeopen import make_dir, open_or_create, write_durably
 from .buckets import open_buckets
 from .config import PipelineConfig, parse_config
@@ -147,18 +148,10 @@ def agent_status(tier_root: Path) -> str | None:
     return f"{'running (pid ' + str(pid) + ')' if pid is not None else 'not running'}, {attached}; log {files.log}"
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        stat = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return stat.st_dev, stat.st_ino
-
-
 @contextlib.contextmanager
-def agent_lock(files: AgentFiles) -> Iterator[tuple[int, int] | None]:
-    """Hold the node's agent lock while the block runs, writing this pid into it: the lock file's identity
-    (device, inode), or None (held by no one here) if another agent holds it."""
+def agent_lock(files: AgentFiles) -> Iterator[int | None]:
+    """Hold the node's agent lock while the block runs, writing this pid into it: the lock file's descriptor,
+    or None (held by no one here) if another agent holds it."""
     fd = open_or_create(files.lock, os.O_RDWR)
     try:
         try:
@@ -168,8 +161,7 @@ def agent_lock(files: AgentFiles) -> Iterator[tuple[int, int] | None]:
             return
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        stat = os.fstat(fd)
-        yield stat.st_dev, stat.st_ino
+        yield fd
     finally:
         os.close(fd)
 
@@ -328,7 +320,7 @@ def run_agent(config: PipelineConfig, poll_max: float = POLL_MAX) -> int:
         pacers = {edge.target: Pacer(edge.policy.bandwidth) for edge in graph.edges}
         pause, crashed = 0.02, float("-inf")  # when a trainer was last found dead (wall clock: see _closed_after)
         while True:
-            if _identity(files.lock) != mine:
+            if not still_there(files.lock, mine):
                 # The tier's directory was removed (or its agent files replaced): what this agent would copy
                 # and prune is no longer its node's, and a new runner there starts an agent of its own.
                 log.info("the agent's lock %s is gone or replaced: the agent stops", files.lock)

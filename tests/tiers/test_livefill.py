@@ -48,6 +48,18 @@ def _data_file(directory: Path) -> Path:
     return next(directory.glob("*.data"))
 
 
+def _flip_in_the_largest_frame(directory: Path, where: float) -> tuple[StoredCheckpoint, str, int]:
+    """Flip the byte at ``where`` (0..1) of the data file's largest frame (a whole 1 MiB frame of "big"): the
+    checkpoint, the data file's name and that frame's index."""
+    checkpoint = StoredCheckpoint(directory, 1)
+    data = _data_file(directory)
+    frames = checkpoint.manifest.files[data.name].frames
+    index = max(range(len(frames)), key=lambda i: frames[i].length)
+    frame = frames[index]
+    _flip(data, frame.offset + min(int(frame.length * where), frame.length - 1))
+    return checkpoint, data.name, index
+
+
 def _flip(path: Path, offset: int) -> None:
     with path.open("r+b") as f:
         f.seek(offset)
@@ -109,15 +121,9 @@ def test_a_flipped_byte_anywhere_in_a_frame_fails_the_first_pass_with_nothing_wr
     where: float,
 ) -> None:
     weights = _weights()
-    directory = _saved(make_runner, weights)
-    checkpoint = StoredCheckpoint(directory, 1)
-    data = _data_file(directory)
-    frames = checkpoint.manifest.files[data.name].frames
-    index = max(range(len(frames)), key=lambda i: frames[i].length)  # a whole 1 MiB frame of "big"
-    frame = frames[index]
-    _flip(data, frame.offset + min(int(frame.length * where), frame.length - 1))
+    checkpoint, data, index = _flip_in_the_largest_frame(_saved(make_runner, weights), where)
     live = _scrambled(weights)
-    with pytest.raises(CorruptCheckpointError, match=rf"{data.name} frame {index}: checksum mismatch"):
+    with pytest.raises(CorruptCheckpointError, match=rf"{data} frame {index}: checksum mismatch"):
         checkpoint.view().fill_live(live)
     assert all(bool((t == 7).all()) for t in live.values())
 
@@ -197,14 +203,9 @@ def test_fresh_destinations_are_filled_in_one_pass_when_read(make_runner) -> Non
 
 def test_a_flipped_byte_fails_the_one_pass_read_after_the_other_frames_landed(make_runner) -> None:
     weights = _weights()
-    directory = _saved(make_runner, weights)
-    checkpoint = StoredCheckpoint(directory, 1)
-    data = _data_file(directory)
-    frames = checkpoint.manifest.files[data.name].frames
-    index = max(range(len(frames)), key=lambda i: frames[i].length)  # a whole 1 MiB frame of "big"
-    _flip(data, frames[index].offset + frames[index].length // 2)
+    checkpoint, data, index = _flip_in_the_largest_frame(_saved(make_runner, weights), 0.5)
     live = _scrambled(weights)
-    with pytest.raises(CorruptCheckpointError, match=rf"{data.name} frame {index}: checksum mismatch \(expected"):
+    with pytest.raises(CorruptCheckpointError, match=rf"{data} frame {index}: checksum mismatch \(expected"):
         checkpoint.view().fill_live(live, fresh=list(live))
     # No verify-before-write pass: the frames that are fine were copied in (what one pass means; fresh
     # tensors held nothing to keep), and a read of the next copy overwrites every byte.

@@ -54,8 +54,8 @@ def _open_dir(path: Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def _still_there(path: Path, fd: int) -> bool:
-    """Whether ``path`` still names the directory open as ``fd`` (not removed or replaced meanwhile)."""
+def still_there(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file or directory open as ``fd`` (not removed or replaced meanwhile)."""
     try:
         seen = os.stat(path)
     except FileNotFoundError:
@@ -72,7 +72,7 @@ def reading(directory: Path) -> Iterator[None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         # A deleter may have unpublished the directory between our open and our lock.
-        if not _still_there(directory, fd):
+        if not still_there(directory, fd):
             raise FileNotFoundError(f"{directory}: deleted while it was being opened")
         yield
     finally:
@@ -104,7 +104,7 @@ def exclusive(directory: Path) -> Iterator[int]:
         fd = _open_dir(directory)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not _still_there(directory, fd):
+            if not still_there(directory, fd):
                 raise FileNotFoundError(f"{directory}: removed or renamed while it was being locked")
         except BlockingIOError:
             os.close(fd)
@@ -230,7 +230,7 @@ class _SharedClaim:
 
     def valid(self) -> bool:
         """Whether it still locks the tier: its lock file was not removed (with the tier) meanwhile."""
-        return self.lock.held and _still_there(self.path, self.lock.fd)
+        return self.lock.held and still_there(self.path, self.lock.fd)
 
     def close(self) -> None:
         """Remove the lock file, then unlock: a tier whose writer has finished holds only checkpoints.
@@ -291,7 +291,7 @@ def claim_tier(root: Path, owner: object | None = None) -> TierClaim:
                 return TierClaim(shared)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if _still_there(path, fd):
+                if still_there(path, fd):
                     _record_holder(path)
                     shared = _claims[key] = _SharedClaim(HeldLock(fd), path, key, owner)
                     return TierClaim(shared)

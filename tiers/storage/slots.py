@@ -162,7 +162,8 @@ class SlotPool:
         """After a failed checkpoint: its data file at ``path`` back into the pool (if it is still that file)."""
         with self._lock:
             try:
-                if (os.lstat(path).st_dev, os.lstat(path).st_ino) == slot.key:
+                seen = os.lstat(path)
+                if (seen.st_dev, seen.st_ino) == slot.key:
                     os.rename(path, self.directory / free_name())
             except FileNotFoundError:
                 pass  # removed with its partial directory already: the mapping goes at the next take
