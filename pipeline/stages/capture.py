@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import numpy as np
@@ -78,6 +79,11 @@ class Capture:
         return chunk
 
 
+# The one empty ``where`` of a capture without eager sources: a program is kept while its ``where`` is the same
+# object, so a fresh ``{}`` per call would work the program (and the pieces' views) out again every checkpoint.
+_NOWHERE: Mapping[str, tuple[int, int]] = MappingProxyType({})
+
+
 class SlabCopier:
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -101,7 +107,7 @@ class SlabCopier:
         ``hash_raw``: checksum the chunk now (False when compression will store other bytes anyway); a
         chunk holding a GPU's bytes is never checksummed here (see below), persist does it.
         """
-        where = sources.where if sources is not None else {}
+        where = sources.where if sources is not None else _NOWHERE
         program = plan.program
         if program is None or program.where is not where:  # worked out once per chunk of a reused plan
             program = plan.program = copy_program(plan, where)

@@ -233,3 +233,27 @@ async def test_persist_fails_a_unit_that_is_not_a_chunk_instead_of_dropping_it(t
         assert job.stats.chunks == 0
     finally:
         writer.close()
+
+
+def test_a_reused_chunk_plan_keeps_its_copy_program_and_copies_the_current_bytes() -> None:
+    """Without eager sources (the memory tier's captures) a reused plan's copy program, and the views of its
+    tensors it keeps, are worked out once; each copy still takes the bytes the tensors hold then, and a
+    tensor given other memory is copied from that."""
+    weight = torch.arange(1024, dtype=torch.float32)
+    plan = plan_checkpoint([TensorItem("w", weight)], MiB).chunks[0]
+    cache = HostCache(2 * MiB, MiB, pinned=False)
+    copier = SlabCopier()
+    copied = []
+    for fill in (1.0, 2.0, 3.0):
+        if fill == 3.0:
+            weight.data = torch.full((1024,), 3.0)  # the same tensor object, other memory
+        else:
+            weight.fill_(fill)
+        slab = cache.acquire(threading.Event())
+        assert slab is not None
+        chunk = copier.copy(plan, slab, None)
+        copied.append((plan.program, bytes(chunk.raw[:4096])))
+        cache.release(slab)
+    assert copied[0][0] is copied[1][0] is copied[2][0]
+    for (_, raw), fill in zip(copied, (1.0, 2.0, 3.0), strict=True):
+        assert raw == torch.full((1024,), fill).numpy().tobytes()
