@@ -10,12 +10,18 @@ as CheckFreq's profiler and Orbax's continuous policy do, from the trainer's own
 * times each checkpoint from the call that requested it until the step in which it is durable on the
   persist tier: that span less as many plain steps is what it cost the trainer (blocked time, the
   capture's copies competing for cores and memory bandwidth, the wait before the next optimizer step);
-* spaces checkpoints ``k`` steps apart, the fewest whose cost stays within ``budget`` of the time they
-  span (``cost / (budget * step) <= k``), and never fewer than a checkpoint takes to be durable, so no
-  request waits for the one before it.
+* times each checkpoint that a flush tier receives (a multiple of its ``flush.every``) likewise, until every
+  copy is made: what its flushes cost the trainer (the copy's reads and writes on the trainer's cores,
+  whether the runner or the node agent makes it) beyond a checkpoint into memory;
+* spaces checkpoints ``k`` steps apart, the fewest whose cost stays within what the budget leaves once the
+  flushes had their share (``cost / (budget * step - extra / every) <= k``), and never fewer than a
+  checkpoint takes to be durable, so no request waits for the one before it.
 
 Tiers flushed every ``flush.every`` steps keep their cadence: a step that is a multiple of a flush tier's
 ``every`` (above 1) is always checkpointed, so NVMe, the PFS and a bucket receive what their YAML says.
+Where those flushes alone cost more than the budget, automatic checkpoints are spaced the longest
+``flush.every`` apart (with one flush tier: only its steps are checkpointed), and the cadence says once,
+in the log, how much less often a flush would fit.
 With many ranks every rank must request the same steps (the commit is collective): the first checkpoint
 is at a fixed call, each interval is agreed at a checkpoint (the largest any rank proposes, one all-gather
 per checkpoint, none between), and a rank that has not yet seen its last checkpoint durable proposes twice
@@ -24,6 +30,7 @@ the interval before.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -34,6 +41,8 @@ from dataclasses import dataclass, field
 from .config import PipelineConfig
 from .distributed import CheckpointGroup
 from .handle import CheckpointHandle
+
+log = logging.getLogger("tierstate.cadence")
 
 SAMPLES = 32  # step times kept: the median of the recent ones follows a changing step time
 COSTS = 5  # checkpoint costs kept, for the same reason
@@ -67,7 +76,10 @@ class Cadence:
     _next: int | None = None
     _steps: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     _costs: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=COSTS))
+    _flush_costs: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=COSTS))
     _open: _Open | None = None
+    _flushing: _Open | None = None  # a flushed checkpoint timed until every copy is made
+    _warned: bool = False
     _busy: list[CheckpointHandle] = field(default_factory=list)
 
     def maybe(self, step: int, checkpoint: Callable[[int], CheckpointHandle]) -> CheckpointHandle | None:
@@ -84,7 +96,7 @@ class Cadence:
         self._observe(now)
         if isinstance(self.every, int):
             return step % self.every == 0
-        if any(step % every == 0 for every in self.forced):
+        if self._flushed(step):
             return True
         if self._next is None:
             return self._calls > self.warmup
@@ -95,11 +107,20 @@ class Cadence:
         on when the next automatic one is (collective with many ranks)."""
         if isinstance(self.every, int):
             return
-        if self._open is None:  # one timed at a time: one in flight, and its span is all its own
+        # One of each timed at a time (one in flight, its span all its own): a checkpoint into memory alone, or one
+        # a flush tier receives, until every copy is made.
+        if self._flushed(step):
+            if self._flushing is None:
+                self._flushing = _Open(handle, requested)
+        elif self._open is None:
             self._open = _Open(handle, requested)
         self._busy.append(handle)
         self.interval = max(self.agree(self._proposal()))
         self._next = step + self.interval
+
+    def _flushed(self, step: int) -> bool:
+        """Whether a flush tier receives ``step`` (so it is always checkpointed)."""
+        return any(step % every == 0 for every in self.forced)
 
     def _observe(self, now: float) -> None:
         """This call ends a step: a sample of the plain step time, or one more step of the checkpoint timed."""
@@ -108,23 +129,49 @@ class Cadence:
         self._busy = [h for h in self._busy if not all(f.done() for f in h.tier_futures.values())]
         if last is None:
             return
+        timing = self._open is not None or self._flushing is not None  # this step overlapped one timed
         if self._open is not None:
             self._open.steps += 1
             if self._open.handle.done():  # durable on the persist tier (or failed, or skipped)
                 self._costs.append((now - self._open.started, self._open.steps))
                 self._open = None
-        elif not self._busy:
+        if self._flushing is not None:
+            self._flushing.steps += 1
+            if all(f.done() for f in self._flushing.handle.tier_futures.values()):  # every copy made (or failed)
+                self._flush_costs.append((now - self._flushing.started, self._flushing.steps))
+                self._flushing = None
+        if not timing and not self._busy:
             self._steps.append(now - last)
 
     def _proposal(self) -> int:
         """This rank's interval: from its measurements, or twice the last one while it has none to go by."""
-        if not self._costs or not self._steps:
+        timed = self._costs or self._flush_costs  # a flushed checkpoint's cost bounds its part in memory
+        if not timed or not self._steps:
             return max(1, self.warmup, 2 * self.interval)
         step = statistics.median(self._steps)
-        spans = [(span - steps * step, steps) for span, steps in self._costs]
-        cost = max(0.0, statistics.median(c for c, _ in spans))
-        durable = max(s for _, s in spans)
-        return max(1, durable, math.ceil(cost / (self.budget * step)) if step > 0 else 1)
+        cost = _median_cost(timed, step)
+        durable = max(s for _, s in timed)
+        if step <= 0:
+            return max(1, durable)
+        left = self.budget * step  # per step, for the checkpoints into memory
+        if self._flush_costs:  # a flushed checkpoint in place of one into memory every ``every`` steps
+            flushed = _median_cost(self._flush_costs, step)
+            left -= max(0.0, flushed - cost) * sum(1 / every for every in self.forced)
+            if left <= 0:
+                self._warn_flushes_over_budget(flushed * sum(1 / every for every in self.forced) / step)
+                return max(1, durable, max(self.forced))
+        return max(1, durable, math.ceil(cost / left))
+
+    def _warn_flushes_over_budget(self, spent: float) -> None:
+        """Say once that the flushed checkpoints take ``spent`` of the training time, over the budget."""
+        if self._warned:
+            return
+        self._warned = True
+        log.warning(
+            "cadence: the flushes every %s steps cost %.1f%% of training alone, over the budget of %.1f%%: "
+            "only their steps are checkpointed; raise flush.every about %.1fx for checkpoints in between",
+            "/".join(str(e) for e in self.forced), 100 * spent, 100 * self.budget, spent / self.budget,
+        )  # fmt: skip
 
 
 def cadence_of(config: PipelineConfig, group: CheckpointGroup | None) -> Cadence:
@@ -133,6 +180,11 @@ def cadence_of(config: PipelineConfig, group: CheckpointGroup | None) -> Cadence
     settings = config.cadence
     agree = group.side_gather("cadence: the next interval") if group is not None else _alone
     return Cadence(settings.every, settings.budget, settings.warmup, forced, agree)
+
+
+def _median_cost(spans: Sequence[tuple[float, int]], step: float) -> float:
+    """What the timed checkpoints cost beyond their steps: the median of each span less as many plain steps."""
+    return max(0.0, statistics.median(span - steps * step for span, steps in spans))
 
 
 def _alone(proposal: int) -> list[int]:

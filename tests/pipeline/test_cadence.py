@@ -34,12 +34,17 @@ def _durable(runner: Runner, step: int) -> CheckpointHandle:
     return handle
 
 
-def _train(cadence: Cadence, runner: Runner, steps: int, cost: float = 0.25) -> list[int]:
-    """Call ``cadence`` once per step of 1 s, a step that overlaps a checkpoint costing ``cost`` more; the steps
-    it checkpointed (each durable before the next call)."""
+def _train(
+    cadence: Cadence, runner: Runner, steps: int, cost: float = 0.25, flushed: tuple[int, float] = (0, 0.0)
+) -> list[int]:
+    """Call ``cadence`` once per step of 1 s, a step that overlaps a checkpoint costing ``cost`` more (a multiple of
+    ``flushed[0]``: ``flushed[1]`` more still, its flush); the steps it checkpointed (each durable and flushed
+    before the next call)."""
     now, taken = 0.0, []
     for step in range(1, steps + 1):
-        now += 1.0 + (cost if taken and taken[-1] == step - 1 else 0.0)
+        if taken and taken[-1] == step - 1:
+            now += cost + (flushed[1] if flushed[0] and (step - 1) % flushed[0] == 0 else 0.0)
+        now += 1.0
         if cadence.due(step, now):
             cadence.taken(step, _durable(runner, step), requested=now)
             taken.append(step)
@@ -56,6 +61,28 @@ def test_auto_spaces_checkpoints_by_their_measured_cost_within_the_budget(runner
     runner.start_fresh(set_aside=True)
     cadence = Cadence("auto", budget=1 / 16, warmup=3, forced=[], agree=lambda mine: [mine])
     assert _train(cadence, runner, 20) == [4, 7, 11, 15, 19]
+
+
+def test_what_the_flushes_cost_is_taken_out_of_the_budget_first(runner: Runner, caplog) -> None:
+    # 1 s steps, a budget of 1/16: 0.0625 s per step. A checkpoint into memory costs 0.25 s, so alone it would be
+    # every 4 steps; the one flushed every 10 steps costs 0.25 s more, 0.025 s per step, which leaves 0.0375 s:
+    # 0.25 / 0.0375 = 6.7, so 7 steps apart.
+    cadence = Cadence("auto", budget=1 / 16, warmup=3, forced=[10], agree=lambda mine: [mine])
+    taken = _train(cadence, runner, 60, flushed=(10, 0.25))
+    assert cadence.interval == 7
+    assert {10, 20, 30, 40, 50, 60} <= set(taken)
+    assert taken[-4:] == [47, 50, 57, 60]
+    # Flushes costing 1 s more each, 0.1 s per step, are over the budget alone: only their steps are
+    # checkpointed, and the log says how much less often they would fit.
+    runner.start_fresh(set_aside=True)
+    cadence = Cadence("auto", budget=1 / 16, warmup=3, forced=[10], agree=lambda mine: [mine])
+    with caplog.at_level("WARNING", logger="tierstate.cadence"):
+        taken = _train(cadence, runner, 60, flushed=(10, 1.0))
+    assert cadence.interval == 10
+    assert [s for s in taken if s > 20] == [30, 40, 50, 60]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "tierstate.cadence"]
+    assert "flushes every 10 steps cost 12.5% of training alone, over the budget of 6.2%" in warning
+    assert "raise flush.every about 2.0x" in warning
 
 
 def test_the_largest_interval_any_rank_proposes_is_every_rank_s(runner: Runner) -> None:
