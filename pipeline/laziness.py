@@ -13,11 +13,12 @@ device (on a GPU it is queued on the trainer's stream, ahead of the next forward
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import xxhash
+from torch.utils.hooks import RemovableHandle
 
 from tierstate.errors import TierstateError
 
@@ -75,17 +76,28 @@ class CaptureRules:
         self._held: Sequence[object] = ()  # the state mappings whose ids are in the signature
         self._covered: frozenset[int] = frozenset()
         self._warned = False
+        self._hooks: list[RemovableHandle] = []
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
         return tuple(self._optimizers)
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Remember ``optimizer``; False if it was attached already."""
+    def attach(self, optimizer: torch.optim.Optimizer, before_step: Callable, before_load: Callable) -> None:
+        """Remember ``optimizer`` and hook ``before_step`` and ``before_load`` on it, unless it was attached already."""
         if any(o is optimizer for o in self._optimizers):
-            return False
+            return
         self._optimizers.append(optimizer)
-        return True
+        self._hooks.append(optimizer.register_step_pre_hook(before_step))
+        self._hooks.append(optimizer.register_load_state_dict_pre_hook(before_load))
+
+    def detach_all(self) -> None:
+        """Take every hook off the attached optimizers: a closed runner's would hold it (its host memory, its
+        slots' mappings) alive as long as the optimizer, and run at every step of a later runner's training."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._optimizers.clear()
+        self._held, self._signature, self._covered = (), (), frozenset()
 
     def covered(self, refresh: bool = False) -> frozenset[int]:
         """Storages of every parameter and state tensor of the attached optimizers.

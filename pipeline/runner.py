@@ -229,10 +229,7 @@ class Runner:
         (accelerate's, Lightning's) are unwrapped; attaching one optimizer twice installs one of each hook.
         """
         self._refuse_if_closed("attach()")
-        inner = unwrap_optimizer(optimizer)
-        if self._rules.attach(inner):
-            inner.register_step_pre_hook(self._before_step)
-            inner.register_load_state_dict_pre_hook(self._before_load)
+        self._rules.attach(unwrap_optimizer(optimizer), self._before_step, self._before_load)
 
     @property
     def attached(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -422,6 +419,7 @@ class Runner:
         # Every flush done or reported, then every peer copy (one waits for its tier's flush).
         self.flush_failures = [failure for listener in self._after for failure in listener.drain()]
         self._engine.stop()
+        self._rules.detach_all()
         self.durable_tier.release()  # another job may write the tier now
         for listener in self._after:
             listener.close()

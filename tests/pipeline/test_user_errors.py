@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,6 +114,26 @@ CLOSED = (
     "this runner is closed (close() was called, or its with-block ended): it checkpoints, registers and restores "
     "no more; build a new one (Runner.from_yaml(...)) to go on: it restores from the same tiers"
 )
+
+
+def test_a_closed_runner_takes_its_hooks_off_the_optimizer_and_is_freed(tmp_path: Path) -> None:
+    """The optimizer outlives the runner (a new runner after a restart in the same process, a second fit): a closed
+    runner's hooks would keep it (its host cache, its slots' mappings) alive and run at every later step."""
+    model, optim, _ = _model_and_optim()
+    layout = {"tiers": {"nvme": {"path": str(tmp_path), "retention": {"keep_last": 1}}}}
+    for step in (1, 2):  # one runner after the other on the same optimizer
+        with Runner.from_dict(layout) as runner:
+            runner.register(model=model, optim=optim)
+            assert len(optim._optimizer_step_pre_hooks) == len(optim._optimizer_load_state_dict_pre_hooks) == 1
+            runner.checkpoint(step).result()
+        assert optim._optimizer_step_pre_hooks == {} and optim._optimizer_load_state_dict_pre_hooks == {}
+        assert runner.attached == ()
+    freed = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert freed() is None, gc.get_referrers(freed())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()  # nothing left to wait for
 
 
 def test_a_closed_runner_refuses_everything_saying_what_to_do(make_runner: Callable[..., Runner]) -> None:
