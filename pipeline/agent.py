@@ -14,7 +14,8 @@ Its files live in the persist tier's directory, under ``.agent/`` (node-scoped: 
 
 - ``lock``: held (``flock``) by the running agent, with its pid: two agents on one node never run at
   once, so no step is flushed twice by them (a second one started exits at once);
-- ``config.json``: the config it runs (written by the runner that starts it);
+- ``config.json``: the config it runs (written by the runner that starts it, holding ``starting``: the
+  ranks of a node start their runners at once, and one of them starts the agent);
 - ``trainers/<pid>``: one per attached runner, removed by ``close()``; a file whose process is gone is
   a trainer that died;
 - ``log``: what it did and why it stopped.
@@ -81,6 +82,11 @@ class AgentFiles:
     @property
     def trainers(self) -> Path:
         return self.root / "trainers"
+
+    @property
+    def starting(self) -> Path:
+        """Locked by the runner that starts the agent, while it does."""
+        return self.root / "starting"
 
     @property
     def log(self) -> Path:
@@ -198,9 +204,24 @@ def start_agent(config: PipelineConfig, within: float = START_S) -> int:
     holds the node's agent lock. AgentError if it ends first or takes longer than ``within`` seconds."""
     files = AgentFiles.of(config)
     files.make()
-    running = agent_pid(files)
-    if running is not None:
-        return running
+    with _starting(files):
+        running = agent_pid(files)
+        return running if running is not None else _launch(config, files, within)
+
+
+@contextlib.contextmanager
+def _starting(files: AgentFiles) -> Iterator[None]:
+    """One runner of the node at a time starts the agent (the ranks of a node build their runners at once: each
+    would write its config and launch one); the next finds it running."""
+    fd = open_or_create(files.starting, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for at most one agent's start (``within`` seconds)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _launch(config: PipelineConfig, files: AgentFiles, within: float) -> int:
     write_durably(files.config, json.dumps(config.model_dump(mode="json", by_alias=True)).encode())
     out = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
@@ -269,7 +290,13 @@ class AgentLink:
 
     def close(self) -> None:
         detach(self._files)
-        write_durably(self._files.closed, b"")
+        # Its time is what counts: touched in place, as the ranks of a node close at once (a write through a
+        # temporary name would race over that one name).
+        fd = open_or_create(self._files.closed, os.O_WRONLY)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
 
 
 def _logged(outcome: FlushOutcome) -> None:

@@ -25,6 +25,7 @@ from toy_regression import model_and_optimizer, train_step
 
 from launch import mark_finished
 from tierstate import NothingToRestoreError, TierstateError
+from tierstate.pipeline.agent import AgentFiles, agent_pid
 from tierstate.pipeline.distributed import EXIT_BEFORE_VOTE_ENV
 from tierstate.pipeline.runner import Runner
 from tierstate.providers import (
@@ -314,6 +315,36 @@ def cadence(s: Scenario) -> None:
     s.record(taken=taken, committed=outcomes)
 
 
+def agent(s: Scenario) -> None:
+    """Both ranks of this node checkpoint six DDP steps into the memory tier with the node agent on, NVMe every
+    second step: one agent (started by one runner, found by the other) flushes both ranks' parts."""
+    base = s.workdir / "tiers" / "agent"
+    layout = {
+        "chunk_size": "1MiB", "host_cache": {"size": "4MiB"}, "agent": {"enabled": True, "linger": 0.5},
+        "tiers": {"memory": {"kind": "memory", "path": str(base / "memory"), "size": "64MiB",
+                             "retention": {"keep_last": 1}},
+                  "nvme": {"path": str(base / "nvme"), "flush": {"every": 2}, "retention": {"keep_last": 8}}},
+    }  # fmt: skip
+    model, opt = _ddp(seed=0)
+    mine = {"w": torch.full((1 << 16,), float(s.rank))}
+    runner = Runner.from_dict(layout, group_timeout=GROUP_TIMEOUT_S)
+    runner.register(model=ModuleProvider(model, replicated=True), optim=OptimizerProvider(opt, replicated=True),
+                    mine=TensorDictProvider(mine))  # fmt: skip
+    flushed = []
+    for step in range(1, 7):
+        _ddp_step(model, opt)
+        mine["w"].add_(10.0)
+        handle = runner.checkpoint(step)
+        if "nvme" in handle.tier_futures:
+            flushed.append(str(handle.tier_futures["nvme"].result(timeout=GROUP_TIMEOUT_S)))
+    files = AgentFiles.of(runner.config)
+    seen = {"agent": agent_pid(files), "attached": sorted(int(n) for n in os.listdir(files.trainers))}
+    dist.barrier()  # both ranks looked while both were attached
+    runner.close()
+    s.record(pid=os.getpid(), flushed=flushed, failures=[str(f) for f in runner.flush_failures],
+             model={k: v.flatten().tolist() for k, v in model.state_dict().items()}, **seen)  # fmt: skip
+
+
 # --- ranks whose tiers hold different steps agree on one, or all fail alike -------------------------------------
 
 AGREE_STEPS = (1, 2, 3)
@@ -462,6 +493,7 @@ SCENARIOS: dict[str, Callable[[Scenario], None]] = {
     "agree-save": agree_save,
     "agree": agree,
     "cadence": cadence,
+    "agent": agent,
 }
 
 

@@ -154,3 +154,18 @@ def run_side_by_side(
         outputs = "\n".join(f"--- launch {i}:\n{r.output[-6000:]}" for i, r in enumerate(results))
         raise AssertionError(f"launch(es) {late} still running after {timeout:.0f} s:\n{outputs}")
     return results
+
+
+def process_gone(pid: int, within: float) -> bool:
+    """Whether process ``pid`` ends within ``within`` seconds (it is no child of ours: its pid is watched; a
+    zombie its reaper has not collected yet has ended)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)  # polling another process's end: there is nothing of ours to wait on
+    return False

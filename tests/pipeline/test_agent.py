@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from launch import process_gone
 from tierstate import cli
 from tierstate.pipeline.agent import AgentFiles, agent_pid
 from tierstate.pipeline.config import parse_config
@@ -41,21 +42,6 @@ def _layout(root: Path, bandwidth: str | None = None, linger: float = 120.0) -> 
         },
         "chunk_size": "1MiB", "host_cache": {"size": "4MiB"}, "agent": {"enabled": True, "linger": linger},
     }  # fmt: skip
-
-
-def _gone(pid: int, within: float) -> bool:
-    """Whether process ``pid`` ends within ``within`` seconds (it is no child of ours: its pid is watched; a
-    zombie its reaper has not collected yet has ended)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        except FileNotFoundError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)  # polling another process's end: there is nothing of ours to wait on
-    return False
 
 
 def _agent(root: Path) -> int | None:
@@ -83,7 +69,7 @@ def test_the_runner_leaves_the_flushes_to_an_agent_that_ends_with_it(tmp_path, c
     assert said[-1].startswith("slots on memory: rank 0: 1 free file(s), ")  # the pool capture writes into
     runner.close()
     assert runner.flush_failures == []
-    assert _gone(pid, 30), "the agent outlived its last trainer with nothing left to flush"
+    assert process_gone(pid, 30), "the agent outlived its last trainer with nothing left to flush"
     nvme = FilesystemTier("nvme", tmp_path / "nvme")
     assert nvme.steps() == [2, 3, 4]
     for step in nvme.steps():
@@ -130,7 +116,7 @@ def test_a_killed_trainers_committed_checkpoints_reach_nvme_through_the_agent(tm
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     assert behind, "every step was flushed before the kill: the test would prove nothing"
-    assert pid is not None and _gone(pid, 60), "the agent did not finish and end after its trainer died"
+    assert pid is not None and process_gone(pid, 60), "the agent did not finish and end after its trainer died"
     assert set(durable) - set(nvme.steps()) <= {1}  # keep_last 3 on NVMe: step 1 may be pruned once 4 is there
     assert nvme.steps()[-1] == 4 and memory.steps() == [4]
     for step in nvme.steps():
@@ -156,14 +142,14 @@ def test_a_restarted_trainer_reattaches_to_the_agent_its_crash_left(tmp_path):
     deadline = time.monotonic() + 60
     while nvme.steps() != [2, 3, 4] and time.monotonic() < deadline:
         time.sleep(0.05)  # the agent is another process: its progress is only seen on the tier
-    assert nvme.steps() == [2, 3, 4] and not _gone(pid, 1.0), "the agent ended before a restart could come"
+    assert nvme.steps() == [2, 3, 4] and not process_gone(pid, 1.0), "the agent ended before a restart could come"
     runner = Runner.from_dict(_layout(tmp_path))
     assert _agent(tmp_path) == pid, "the restart started an agent of its own"
     state = {"w": torch.zeros(4 << 20)}
     runner.register(model=TensorDictProvider(state))
     assert runner.restore().step == 4 and bool((state["w"] == 4).all())
     runner.close()
-    assert pid is not None and _gone(pid, 30)
+    assert pid is not None and process_gone(pid, 30)
 
 
 def test_an_agent_whose_tier_was_removed_stops_instead_of_lingering(tmp_path):
@@ -181,7 +167,7 @@ def test_an_agent_whose_tier_was_removed_stops_instead_of_lingering(tmp_path):
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
     shutil.rmtree(tmp_path / "memory")
-    assert pid is not None and _gone(pid, 30), "the agent of a removed tier lingered on"
+    assert pid is not None and process_gone(pid, 30), "the agent of a removed tier lingered on"
 
 
 def test_a_second_agent_on_a_node_leaves_the_flushes_to_the_first(tmp_path):
@@ -199,7 +185,7 @@ def test_a_second_agent_on_a_node_leaves_the_flushes_to_the_first(tmp_path):
         assert _agent(tmp_path) == first
     finally:
         runner.close()
-    assert first is not None and _gone(first, 30)
+    assert first is not None and process_gone(first, 30)
 
 
 def test_an_agent_that_died_is_started_again_at_the_next_commit(tmp_path):
@@ -209,14 +195,14 @@ def test_an_agent_that_died_is_started_again_at_the_next_commit(tmp_path):
     first = _agent(tmp_path)
     assert first is not None
     os.kill(first, signal.SIGKILL)
-    assert _gone(first, 30)
+    assert process_gone(first, 30)
     for step in (1, 2):
         state.update(_state(step))
         runner.checkpoint(step).tier_futures["nvme"].result(timeout=60)
     again = _agent(tmp_path)
     assert again is not None and again != first
     runner.close()
-    assert runner.flush_failures == [] and _gone(again, 30)
+    assert runner.flush_failures == [] and process_gone(again, 30)
     assert FilesystemTier("nvme", tmp_path / "nvme").steps() == [1, 2]
 
 
@@ -235,7 +221,7 @@ def test_an_agent_killed_mid_flush_is_started_again_and_the_step_arrives_whole(t
         assert time.monotonic() < deadline, "the agent never started copying step 1"
         time.sleep(0.01)  # the agent is another process: its progress is only seen on the tier
     os.kill(first, signal.SIGKILL)
-    assert _gone(first, 30)
+    assert process_gone(first, 30)
     state["w"].fill_(2.0)
     handles.append(runner.checkpoint(2))  # its commit finds the agent dead and starts another
     for handle in handles:
@@ -248,7 +234,7 @@ def test_an_agent_killed_mid_flush_is_started_again_and_the_step_arrives_whole(t
     for step in (1, 2):
         read = StoredCheckpoint(nvme.step_dir(step), step).read()
         assert torch.equal(read["model/w"], torch.full((4 << 20,), float(step)))
-    assert _gone(again, 30)
+    assert process_gone(again, 30)
 
 
 @pytest.mark.parametrize("enabled", [True])

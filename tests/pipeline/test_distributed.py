@@ -29,6 +29,7 @@ from dist_worker import (
 )
 
 from conftest import REPO
+from launch import process_gone
 from launch import torchrun as launch
 from tierstate import cli
 from tierstate.pipeline.runner import Runner
@@ -37,7 +38,7 @@ from tierstate.tiers.format.format import parse_index
 from tierstate.tiers.format.records import ShardedRecord, TensorRecord
 from tierstate.tiers.ops.migrate import migrate
 from tierstate.tiers.ops.verify import verify_step
-from tierstate.tiers.reading.stored import load
+from tierstate.tiers.reading.stored import StoredCheckpoint, load
 from tierstate.tiers.storage.filesystem import FilesystemTier
 
 WORKER = REPO / "tests" / "dist_worker.py"
@@ -78,7 +79,7 @@ def expected_whole() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("ranks")
-    torchrun(workdir, "save", "ddp", "agree-save", "cadence", "failures")  # failures last: rank 1 leaves in it
+    torchrun(workdir, "save", "ddp", "agree-save", "cadence", "agent", "failures")  # failures last: rank 1 leaves in it
     providers, _ = whole_layout(scrambled=False)
     with runner_on(workdir / "tiers" / "single") as runner:  # what the 1 -> 2 reshard loads
         runner.register(**providers)
@@ -178,6 +179,29 @@ def test_ranks_with_an_auto_cadence_checkpoint_the_same_steps(work):
     assert ranks[0]["taken"] == ranks[1]["taken"], ranks
     assert ranks[0]["taken"][0] == 3 and len(ranks[0]["taken"]) >= 2  # the first after the warm-up's 2 steps
     assert all(r["committed"] == [True] * len(r["taken"]) for r in ranks)
+
+
+def test_the_ranks_of_a_node_share_one_agent_that_flushes_both_parts(work, capsys):
+    """Two DDP ranks of one node, the memory tier and the node agent: one agent served both (the same pid, both
+    trainers attached to it), each step NVMe receives holds both ranks' parts, verified, the values trained,
+    and the agent ended once both ranks closed."""
+    ranks = facts(work, "agent")
+    agent = ranks[0]["agent"]
+    assert agent is not None and agent == ranks[1]["agent"] and agent not in (ranks[0]["pid"], ranks[1]["pid"])
+    assert ranks[0]["attached"] == ranks[1]["attached"] == sorted(r["pid"] for r in ranks)
+    nvme = work / "tiers" / "agent" / "nvme"
+    assert all(r["failures"] == [] and r["flushed"] == [str(nvme / f"step-{s}") for s in (2, 4, 6)] for r in ranks)
+    assert FilesystemTier("nvme", nvme).steps() == [2, 4, 6]
+    assert cli.main(["verify", f"--tier=nvme={nvme}", "2", "4", "6"]) == 0
+    capsys.readouterr()
+    for step in (2, 4, 6):
+        assert cli.main(["inspect", str(nvme / f"step-{step}"), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ranks"] == 2
+    stored = StoredCheckpoint(nvme / "step-6", 6).read()
+    for key, values in ranks[0]["model"].items():
+        [name] = [k for k in stored if k.startswith("model/") and k.endswith(key.removeprefix("module."))]
+        assert stored[name].flatten().tolist() == values, key
+    assert process_gone(agent, 30), "the agent outlived both ranks with nothing left to flush"
 
 
 def test_tier_tool_shows_multi_rank_checkpoints(work, capsys):
