@@ -27,6 +27,7 @@ before ``dcp.load``, which loads in place).
 
     python benchmarks/recovery.py                        # medium GPT (0.3 GB of state), 5 kills per method
     python benchmarks/recovery.py --preset small --kills 3
+    python benchmarks/recovery.py --nvme-every 200      # NVMe at its own, slower cadence: memory sets the interval
 """
 
 from __future__ import annotations
@@ -286,11 +287,14 @@ def _window(state: Any, trainer: Trainer | None, steps: int, step0: int) -> tupl
 MEMORY_ONLY = "tierstate (memory tier only)"
 
 
-def calibrate(preset: str, root: Path, memory: Path, repeats: int, agent: bool) -> dict[str, dict[str, float]]:
+def calibrate(
+    preset: str, root: Path, memory: Path, repeats: int, agent: bool, nvme_every: int | None
+) -> dict[str, dict[str, float]]:
     """Per method: step time, cost per checkpoint, time to durable, and the interval that follows.
 
     tierstate is measured twice, with and without its flush to NVMe, so that the flush's share of the cost
-    can be spread over several checkpoints (``flush.every``): see :func:`tierstate_interval`."""
+    can be spread over several checkpoints (``flush.every``): see :func:`tierstate_interval`. Its NVMe copies
+    come at least as often as the most frequent competitor's, or every ``nvme_every`` steps."""
     state = build(preset, "torch.save", for_restore=False)
     trainers = {m: Trainer(m, state, root / f"calibrate-{m}", memory / f"calibrate-{m}", agent=agent) for m in METHODS}
     trainers[MEMORY_ONLY] = Trainer("tierstate", state, root / "calibrate-mem", memory / "calibrate-mem", None, agent)
@@ -326,21 +330,22 @@ def calibrate(preset: str, root: Path, memory: Path, repeats: int, agent: bool) 
         by_durable = math.ceil(durable / step_s)
         facts[method] = {"step_s": step_s, "cost_s": cost, "durable_s": durable, "every": max(1, by_cost, by_durable),
                          "by_cost": by_cost, "by_durable": by_durable, "costs": costs[method]}  # fmt: skip
-    facts["tierstate"].update(tierstate_interval(facts, min(facts[m]["every"] for m in COMPETITORS)))
+    disk_every = nvme_every or min(facts[m]["every"] for m in COMPETITORS)
+    facts["tierstate"].update(tierstate_interval(facts, disk_every))
     return facts
 
 
-def tierstate_interval(facts: dict[str, dict[str, Any]], competitor_every: int) -> dict[str, float]:
+def tierstate_interval(facts: dict[str, dict[str, Any]], disk_every: int) -> dict[str, float]:
     """tierstate's interval ``every`` and NVMe flush multiple: the fewest steps ``k`` whose cost stays within
-    the budget when NVMe receives every ``m``-th checkpoint, ``m`` as large as keeps NVMe copies at least as
-    frequent as the most frequent competitor's (``k * m <= competitor_every``), and no request waiting for
-    the previous checkpoint (in memory) or flush (on NVMe)."""
+    the budget when NVMe receives every ``m``-th checkpoint, ``m`` as large as keeps NVMe copies at least
+    every ``disk_every`` steps (``k * m <= disk_every``), and no request waiting for the previous
+    checkpoint (in memory) or flush (on NVMe)."""
     memory, full = facts[MEMORY_ONLY], facts["tierstate"]
     step_s = full["step_s"]
     flush_cost = max(0.0, full["cost_s"] - memory["cost_s"])
     k = 1
     while True:
-        m = max(1, competitor_every // k)
+        m = max(1, disk_every // k)
         fits = memory["cost_s"] + flush_cost / m <= SLOWDOWN * k * step_s
         if fits and k * step_s >= memory["durable_s"] and k * m * step_s >= full["durable_s"]:
             return {"every": k, "flush_every": k * m, "flush_cost_s": flush_cost,
@@ -436,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     p.add_argument("--no-agent", dest="agent", action="store_false",
                    help="tierstate's runner flushes to NVMe in the trainer's process (default: the node agent does)")
+    p.add_argument("--nvme-every", type=int, default=None, metavar="N",
+                   help="tierstate copies to NVMe at least every N steps, its own slower cadence (default: at least "
+                        "as often as the most frequent competitor writes its disk checkpoint)")
     args = p.parse_args(argv)
     facts = start_run()
     rng = random.Random(args.seed)
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     try:
         with bench_root("recovery") as root:
-            intervals = calibrate(args.preset, root, memory, args.repeats, args.agent)
+            intervals = calibrate(args.preset, root, memory, args.repeats, args.agent, args.nvme_every)
             for method in METHODS:
                 f = intervals[method]
                 progress(f"{method}: step {f['step_s']:.3f} s, cost {f['cost_s'] * 1e3:.1f} ms per checkpoint, "
@@ -503,9 +511,13 @@ def _report(args: Any, intervals: dict[str, dict[str, float]], failures: dict[st
     report.note(f"step time {fmt_s(step_s)}; each interval is the fewest steps whose checkpoint cost (trainer time "
                 f"lost, measured as windows with one checkpoint minus windows without) stays within {SLOWDOWN:.0%} of "
                 "them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
+    disk_cadence = "disk copies at least as often as the competitors'"
+    if args.nvme_every:
+        disk_cadence = (f"at least every {args.nvme_every} steps, its own cadence (--nvme-every; a node loss, unlike "
+                        "a SIGKILL, goes back to NVMe)")  # fmt: skip
     report.note(f"tierstate: persist to a memory tier (/dev/shm, keep_last 1), costing {fmt_s(mem['cost_s'])} a "
                 f"checkpoint; NVMe receives every {int(ts['flush_every'] // ts['every'])}th (steps multiple of "
-                f"{int(ts['flush_every'])}: disk copies at least as often as the competitors', by "
+                f"{int(ts['flush_every'])}: {disk_cadence}, by "
                 f"{'the node agent' if args.agent else 'the runner in the trainer'}), each flush costing "
                 f"{fmt_s(ts['flush_cost_s'])}; the restart builds on the meta device + tierstate.materialize and "
                 "restores from memory (its runner resumes any flush the kill interrupted)")  # fmt: skip
