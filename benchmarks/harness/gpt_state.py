@@ -20,6 +20,12 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "full": GPTConfig(d_model=1024, n_layers=10, n_heads=16, seq_len=64, dropout=0.1),  # ~126 M params, ~1.5 GB
 }
 
+# Denormal floats flushed to zero in every process that trains this GPT: on the CPU, denormals slow its steps
+# steadily as it trains (medium preset on the 2-core VM: 0.29 s at first, 0.36 s after 300 steps; flat with
+# the flush), which the later runs of an interleaved benchmark took as a cost of theirs (and earlier sections
+# of RESULTS.md, as the VM's neighbours).
+torch.set_flush_denormal(True)
+
 
 @dataclass
 class GPTState(ModelOptimizerState):
