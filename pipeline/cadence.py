@@ -126,7 +126,7 @@ class Cadence:
         """This call ends a step: a sample of the plain step time, or one more step of the checkpoint timed."""
         self._calls += 1
         last, self._last_call = self._last_call, now
-        self._busy = [h for h in self._busy if not all(f.done() for f in h.tier_futures.values())]
+        self._busy = [h for h in self._busy if not _settled(h)]
         if last is None:
             return
         timing = self._open is not None or self._flushing is not None  # this step overlapped one timed
@@ -137,7 +137,7 @@ class Cadence:
                 self._open = None
         if self._flushing is not None:
             self._flushing.steps += 1
-            if all(f.done() for f in self._flushing.handle.tier_futures.values()):  # every copy made (or failed)
+            if _settled(self._flushing.handle):
                 self._flush_costs.append((now - self._flushing.started, self._flushing.steps))
                 self._flushing = None
         if not timing and not self._busy:
@@ -155,10 +155,10 @@ class Cadence:
             return max(1, durable)
         left = self.budget * step  # per step, for the checkpoints into memory
         if self._flush_costs:  # a flushed checkpoint in place of one into memory every ``every`` steps
-            flushed = _median_cost(self._flush_costs, step)
-            left -= max(0.0, flushed - cost) * sum(1 / every for every in self.forced)
+            flushed, per_step = _median_cost(self._flush_costs, step), sum(1 / every for every in self.forced)
+            left -= max(0.0, flushed - cost) * per_step
             if left <= 0:
-                self._warn_flushes_over_budget(flushed * sum(1 / every for every in self.forced) / step)
+                self._warn_flushes_over_budget(flushed * per_step / step)
                 return max(1, durable, max(self.forced))
         return max(1, durable, math.ceil(cost / left))
 
@@ -180,6 +180,11 @@ def cadence_of(config: PipelineConfig, group: CheckpointGroup | None) -> Cadence
     settings = config.cadence
     agree = group.side_gather("cadence: the next interval") if group is not None else _alone
     return Cadence(settings.every, settings.budget, settings.warmup, forced, agree)
+
+
+def _settled(handle: CheckpointHandle) -> bool:
+    """Whether every copy ``handle``'s checkpoint is due is made (or failed): persist and every flush."""
+    return all(f.done() for f in handle.tier_futures.values())
 
 
 def _median_cost(spans: Sequence[tuple[float, int]], step: float) -> float:
