@@ -22,14 +22,17 @@ that refuses it (EINVAL: a block size it does not take), leaves every frame to t
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
 
 from ..format.framefile import BLOCK, DIRECT_ALIGN, has_holes
 from ..format.records import FrameRecord
+from ..reading.pieces import scatter_read
 from ..reading.reader import CorruptCheckpointError
 from ..storage.safeopen import reopen
 
@@ -64,23 +67,23 @@ class DirectFrames:
         read back, or None if O_DIRECT was refused (nothing of this frame to trust: the caller copies it the
         buffered way, and so every later one). CorruptCheckpointError if the source's bytes do not match."""
         try:
-            digest = self._through(src, frame, source, write=True)
+            digest = self._hashed(frame, functools.partial(self._copy_block, src, source))
             if digest != frame.checksum:
                 span = f"bytes {frame.offset}..{frame.offset + frame.length}"
                 raise CorruptCheckpointError(
                     f"{source}: {span}: checksum mismatch (expected {frame.checksum}, got {digest}); not migrating it"
                 )
-            return self._through(self._fd, frame, source, write=False)
+            return self._hashed(frame, functools.partial(self._read_back, source))
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             self.close()
             return None
 
-    def _through(self, fd: int, frame: FrameRecord, source: str, write: bool) -> str:
-        """Hash ``frame`` read from ``fd`` a block at a time; with ``write``, write each block to the target
-        (``fd`` being the source), else read it from the target (``fd``: the O_DIRECT one; the unaligned
-        tail through the buffered one, which wrote it)."""
+    def _hashed(self, frame: FrameRecord, fill: Callable[[memoryview, int, int], None]) -> str:
+        """The checksum of ``frame``'s bytes, a block at a time: ``fill(block, offset, aligned)`` puts the block's
+        bytes at ``offset`` into ``block`` (its first ``aligned`` bytes a whole number of 4 KiB, the rest the
+        frame's tail), then they are hashed."""
         if self._block is None:
             self._block = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT wants its buffer
         block = memoryview(self._block)
@@ -88,17 +91,22 @@ class DirectFrames:
         offset, end = frame.offset, frame.offset + frame.length
         while offset < end:
             length = min(BLOCK, end - offset)
-            aligned = length - length % DIRECT_ALIGN
-            if write:
-                _read_fully(fd, block[:length], offset, source)
-                _write_fully(self._fd, block[:aligned], offset)
-                _write_fully(self._dst, block[aligned:length], offset + aligned)
-            else:
-                _read_fully(fd, block[:aligned], offset, source)
-                _read_fully(self._dst, block[aligned:length], offset + aligned, source)
+            fill(block[:length], offset, length - length % DIRECT_ALIGN)
             hasher.update(block[:length])
             offset += length
         return hasher.hexdigest()
+
+    def _copy_block(self, src: int, source: str, block: memoryview, offset: int, aligned: int) -> None:
+        """Read the block from the source, write it to the target: its whole 4 KiB with O_DIRECT, its tail buffered."""
+        scatter_read(src, offset, [block], source)
+        _write_fully(self._fd, block[:aligned], offset)
+        _write_fully(self._dst, block[aligned:], offset + aligned)
+
+    def _read_back(self, source: str, block: memoryview, offset: int, aligned: int) -> None:
+        """Read the block back from the target: from the device with O_DIRECT, the tail through the descriptor
+        that wrote it."""
+        scatter_read(self._fd, offset, [block[:aligned]], source)
+        scatter_read(self._dst, offset + aligned, [block[aligned:]], source)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -107,14 +115,6 @@ class DirectFrames:
         if self._block is not None:
             self._block.close()
             self._block = None
-
-
-def _read_fully(fd: int, view: memoryview, offset: int, where: str) -> None:
-    while view:
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise CorruptCheckpointError(f"{where}: truncated (ends before byte {offset + len(view)})")
-        view, offset = view[got:], offset + got
 
 
 def _write_fully(fd: int, view: memoryview, offset: int) -> None:
