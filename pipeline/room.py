@@ -92,10 +92,13 @@ class Room:
         they never will (nothing pending that could free room). ``reused``: the bytes of this rank's files
         the tier holds already and the checkpoint takes over (a memory tier's free slot), not counted twice."""
         need = self.needed(step, rank_bytes)
+
+        def taken() -> int:  # one trip to the pool's thread: each wakes a thread that takes the GIL from the trainer
+            used = self.tier.bytes_used()
+            return used if reused is None else used - min(reused() * self.node_ranks, need)
+
         while True:
-            used = await run_blocking(self.pool, self.tier.bytes_used)
-            if reused is not None:
-                used -= min(await run_blocking(self.pool, reused) * self.node_ranks, need)
+            used = await run_blocking(self.pool, taken)
             if used + need <= self.size:
                 return
             if not await self.settle():

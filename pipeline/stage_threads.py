@@ -117,24 +117,50 @@ async def run_workers(flow: Flow, calls: list[tuple[concurrent.futures.Executor,
     """Run every ``(pool, fn, args)`` as one thread of the flow until all return; raise the flow's first error.
 
     A worker's exception stops the flow (the others return at their next wait). Cancelled, this stops
-    the flow too and still waits for every thread before it unwinds.
+    the flow too and still waits for every thread before it unwinds. Only the last worker to return wakes
+    the loop: a future per worker woke it once each (a checkpoint runs 5-7 of them), and each wake-up is a
+    thread taking the GIL from the trainer (the module docstring).
     """
     loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(pool, _worker, flow, fn, args) for pool, fn, args in calls]
+    all_returned = loop.create_future()
+    left = [len(calls)]
+
+    def returned() -> None:
+        with flow.lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            loop.call_soon_threadsafe(_resolve, all_returned)
+
+    for i, (pool, fn, args) in enumerate(calls):
+        try:
+            pool.submit(_worker, flow, fn, args, returned)
+        except BaseException as exc:  # a pool shut down: the workers already started stop at their next wait
+            flow.stop(exc)
+            for _ in calls[i:]:
+                returned()
+            break
     try:
-        await asyncio.shield(asyncio.gather(*futures))
+        await asyncio.shield(all_returned)
     except asyncio.CancelledError:
         flow.stop(asyncio.CancelledError())
-        await asyncio.wait(futures)
+        await all_returned
         raise
     if flow.error is not None:
         raise flow.error
 
 
-def _worker(flow: Flow, fn: Callable[..., None], args: tuple) -> None:
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _worker(flow: Flow, fn: Callable[..., None], args: tuple, returned: Callable[[], None]) -> None:
     try:
         fn(*args)
     except Stopped:
         pass
     except BaseException as exc:  # reported once, as the flow's error, by run_workers
         flow.stop(exc)
+    finally:
+        returned()

@@ -200,6 +200,49 @@ async def test_a_cancelled_flow_stops_its_workers_and_waits_for_them(pools):
     assert flow.stopped.is_set() and isinstance(flow.error, asyncio.CancelledError)
 
 
+class _CountingLoop(asyncio.SelectorEventLoop):
+    """A loop that counts how often other threads wake it."""
+
+    wakeups = 0
+
+    def call_soon_threadsafe(self, *args, **kwargs):  # type: ignore[override]
+        self.wakeups += 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+
+def test_the_loop_is_woken_once_for_all_the_workers_of_a_flow(pools):
+    """Each wake-up of the loop is a thread taking the GIL from the trainer: a flow's 6 workers wake it once."""
+    flow = Flow()
+    queue = Handoff(8, flow)
+    got: list[int] = []
+
+    def consume() -> None:
+        while (unit := queue.get()) is not None:
+            with flow.lock:
+                got.append(unit)
+
+    calls = [(pools[0], feed, (list(range(20)), queue))] + [(pools[i % 2], consume, ()) for i in range(5)]
+    loop = _CountingLoop()
+    try:
+        loop.run_until_complete(run_workers(flow, calls))
+    finally:
+        loop.close()
+    assert sorted(got) == list(range(20))
+    assert loop.wakeups == 1
+
+
+async def test_a_pool_that_refuses_a_worker_stops_the_flow_and_raises(pools):
+    """A worker that cannot start (its pool shut down) must not leave the started ones waiting for it."""
+    flow = Flow()
+    queue = Handoff(1, flow)
+    closed = concurrent.futures.ThreadPoolExecutor(1)
+    closed.shutdown()
+    calls = [(pools[0], queue.get, ()), (closed, queue.close, ())]  # the close never runs: get waits for it
+    with pytest.raises(RuntimeError, match="shutdown"):
+        await asyncio.wait_for(run_workers(flow, calls), 60)
+    assert flow.stopped.is_set()
+
+
 async def test_a_cancelled_blocking_call_still_waits_for_its_thread(pools):
     """Cancelling must not unwind while the thread still writes into a slab the caller would release."""
     started, gate = threading.Event(), threading.Event()
