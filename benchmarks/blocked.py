@@ -9,7 +9,11 @@ dicts). Methods, each run the same steps, interleaved A B C A B C for ``--repeat
 * ``torch.save`` + fsync + rename (synchronous),
 * ``dcp.save`` (synchronous), ``dcp.async_save`` (default: synchronous staging copy, background write),
 * ``dcp.async_save+async-staging`` (a reused ``DefaultStager`` staging in a background thread; the
-  trainer waits for the copy before the next ``optimizer.step()``, the same overlap as tierstate).
+  trainer waits for the copy before the next ``optimizer.step()``, the same overlap as tierstate),
+* by name only: ``copy-floor`` (a background memcpy into reused memory, nothing else),
+  ``tierstate(memory)`` / ``tierstate(memory-no-slots)`` (a memory tier in /dev/shm, captured into its slots
+  or not), ``tierstate(memory-16KiB)`` (that memory tier checkpointing a 16 KiB module beside the same
+  training: what a checkpoint costs the trainer whatever its size).
 
 Blocked time = the checkpoint call + any wait before the next ``optimizer.step()`` (+ the wait for
 the previous checkpoint when a new one is requested too early). Slowdown = the loop's wall time

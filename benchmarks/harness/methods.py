@@ -12,7 +12,8 @@ from .checkpointer import Checkpointer, NoCheckpoint
 from .competitors import DCPAsyncCheckpointer, DCPSaveCheckpointer, TorchSaveCheckpointer
 from .copy_floor import CopyFloorCheckpointer
 from .paths import fresh_dir
-from .tierstate_checkpointer import SHM, TierstateCheckpointer, memory_checkpointer
+from .tierstate_checkpointer import SHM, TierstateCheckpointer, cache_for, memory_checkpointer
+from .tiny_state import TinyState
 
 OTHERS: dict[str, Callable[[Any, Path], Checkpointer]] = {
     "none": NoCheckpoint,
@@ -25,16 +26,26 @@ OTHERS: dict[str, Callable[[Any, Path], Checkpointer]] = {
 
 #: tierstate persisting to a memory tier in /dev/shm: captured into its slots, or (the comparison) not.
 MEMORY_TIERS = {"tierstate(memory)": True, "tierstate(memory-no-slots)": False}
+#: The same memory tier checkpointing a 16 KiB module instead of the trained state, beside the same training: what
+#: a checkpoint costs the trainer whatever its size (the request, the threads, the commit, retention).
+FIXED_COST = "tierstate(memory-16KiB)"
 
 
 def make_checkpointer(name: str, state: Any, root: Path, **tierstate: Any) -> Checkpointer:
     """The method ``name`` saving ``state`` under ``root/<name>``. Any name starting with
     ``tierstate`` is tierstate, configured by the ``tierstate`` keyword arguments (see
     :class:`TierstateCheckpointer`); those of :data:`MEMORY_TIERS` persist to a memory tier in /dev/shm
-    instead. The other methods take no settings and ignore them, so one call builds any method of a list."""
+    instead, and :data:`FIXED_COST` checkpoints a 16 KiB module there instead of ``state``. The other methods
+    take no settings and ignore them, so one call builds any method of a list."""
     directory = root / "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
     if name in MEMORY_TIERS:  # in /dev/shm, removed by the checkpointer's clear() and after the run
         return _in_memory(name, state, fresh_dir(SHM / f"tierstate-bench-{directory.name}"), **tierstate)
+    if name == FIXED_COST:
+        tiny = TinyState()
+        tierstate = {**tierstate, "cache_bytes": cache_for(tiny.tensor_bytes), "optimizer": None}
+        ckpt = memory_checkpointer(tiny, fresh_dir(SHM / f"tierstate-bench-{directory.name}"), **tierstate)
+        ckpt.name = name
+        return ckpt
     directory.mkdir(parents=True, exist_ok=True)
     if name.startswith("tierstate"):
         ckpt = TierstateCheckpointer(state, directory, **tierstate)
