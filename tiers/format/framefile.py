@@ -49,12 +49,18 @@ def align_up(value: int, align: int) -> int:
     return -(-value // align) * align
 
 
-def _write_all(fd: int, view: memoryview, offset: int) -> None:
-    faults.point("persist.write")
+def write_fully(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` every byte of ``view`` at ``offset``, however many calls the kernel takes (a short write is
+    no error). The one such loop: persist, migration and the O_DIRECT copy all write through it."""
     while view:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    faults.point("persist.write")  # persist's writes only: the kill tests count these
+    write_fully(fd, view, offset)
 
 
 def _hash_and_write(fd: int, data: bytes | memoryview, offset: int, known: str | None = None) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import xxhash
 
-from ..format.framefile import BLOCK, DIRECT_ALIGN, has_holes
+from ..format.framefile import BLOCK, DIRECT_ALIGN, has_holes, write_fully
 from ..format.records import FrameRecord
 from ..reading.pieces import scatter_read
 from ..reading.reader import CorruptCheckpointError
@@ -99,8 +99,8 @@ class DirectFrames:
     def _copy_block(self, src: int, source: str, block: memoryview, offset: int, aligned: int) -> None:
         """Read the block from the source, write it to the target: its whole 4 KiB with O_DIRECT, its tail buffered."""
         scatter_read(src, offset, [block], source)
-        _write_fully(self._fd, block[:aligned], offset)
-        _write_fully(self._dst, block[aligned:], offset + aligned)
+        write_fully(self._fd, block[:aligned], offset)
+        write_fully(self._dst, block[aligned:], offset + aligned)
 
     def _read_back(self, source: str, block: memoryview, offset: int, aligned: int) -> None:
         """Read the block back from the target: from the device with O_DIRECT, the tail through the descriptor
@@ -115,9 +115,3 @@ class DirectFrames:
         if self._block is not None:
             self._block.close()
             self._block = None
-
-
-def _write_fully(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written

@@ -35,7 +35,7 @@ from tierstate.errors import TierstateError
 from ..format.container import Format
 from ..format.convert import container_format, rewrite
 from ..format.format import checksum, manifest_bytes
-from ..format.framefile import BLOCK, hash_range
+from ..format.framefile import BLOCK, hash_range, write_fully
 from ..format.manifest import Manifest, NodePart
 from ..format.records import FileRecord, FrameRecord
 from ..reading.integrity import Problem, file_problems, frame_problem, index_problem, index_problems, object_problems
@@ -124,11 +124,8 @@ class _FrameCopier:
             got = os.preadv(src, [view[: min(BLOCK, end - offset)]], offset)
             if got == 0:
                 raise CorruptCheckpointError(f"{where}: truncated (source ends before byte {end})")
-            part = view[:got]
-            while part:
-                written = os.pwrite(dst, part, offset)
-                part = part[written:]
-                offset += written
+            write_fully(dst, view[:got], offset)
+            offset += got
 
 
 class _Copy:
