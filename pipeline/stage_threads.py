@@ -121,6 +121,8 @@ async def run_workers(flow: Flow, calls: list[tuple[concurrent.futures.Executor,
     the loop: a future per worker woke it once each (a checkpoint runs 5-7 of them), and each wake-up is a
     thread taking the GIL from the trainer (the module docstring).
     """
+    if not calls:
+        return  # no worker would ever resolve the wait below
     loop = asyncio.get_running_loop()
     all_returned = loop.create_future()
     left = [len(calls)]

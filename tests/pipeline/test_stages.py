@@ -231,6 +231,10 @@ def test_the_loop_is_woken_once_for_all_the_workers_of_a_flow(pools):
     assert loop.wakeups == 1
 
 
+async def test_a_flow_without_workers_returns_at_once():
+    await asyncio.wait_for(run_workers(Flow(), []), 60)
+
+
 async def test_a_pool_that_refuses_a_worker_stops_the_flow_and_raises(pools):
     """A worker that cannot start (its pool shut down) must not leave the started ones waiting for it."""
     flow = Flow()
