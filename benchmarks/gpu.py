@@ -4,7 +4,9 @@
    plain pinned ``copy_(non_blocking=True)`` per tensor into a preallocated pinned buffer, then a
    synchronize -- the best a device->host copy of these bytes can do. tierstate: ``checkpoint()``
    until ``captured`` (side CUDA stream into pinned host-cache slabs, ``--chunk-mb`` each), with a
-   host cache that holds the whole state. Reported: GB/s of each and their ratio, medians.
+   host cache that holds the whole state; and ``tierstate(memory)``: the same into a memory tier in
+   /dev/shm, captured straight into its slots (mapped files registered with ``cudaHostRegister``),
+   until ``captured`` and until committed there. Reported: GB/s of each and their ratio, medians.
 2. Blocked time in a GPU training loop: the example GPT on the GPU (``--d-model``/``--layers``),
    checkpointing every ``--every`` steps, methods interleaved A B A B: none, tierstate (lazy: the
    copies overlap the next forward/backward, the optimizer pre-hook waits only if they are still
@@ -49,6 +51,11 @@ from harness.units import GB, MiB, fmt_bytes, fmt_ratio, fmt_s, gbps
 from examples.gpt import GPTConfig
 
 METHODS = ["none", "tierstate", "torch.save", "dcp.async_save", "dcp.async_save+async-staging"]
+#: What the capture part times against the plain pinned copy, and how each captures.
+CAPTURED = {
+    "tierstate": "chunk slabs of the pinned host cache, side stream",
+    "tierstate(memory)": "straight into the memory tier's registered slots, side stream",
+}
 
 
 def sync(device: torch.device) -> None:
@@ -77,37 +84,46 @@ def capture_bandwidth(args: argparse.Namespace, device: torch.device, root: Path
     nbytes = state.tensor_bytes
     pinned = device.type == "cuda"
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    ckpt = make_checkpointer("tierstate", state, root, cache_bytes=cache_for(nbytes, args.chunk_mb * MiB),
-                             chunk_bytes=args.chunk_mb * MiB)
+    ckpts = {
+        name: make_checkpointer(name, state, root, cache_bytes=cache_for(nbytes, args.chunk_mb * MiB),
+                                chunk_bytes=args.chunk_mb * MiB)
+        for name in CAPTURED
+    }
     plain: list[float] = []
-    captured: list[float] = []
-    durable: list[float] = []
-    plain_pinned_copy(list(tensors.values()), dst)  # warm-up of both
-    warm_up([ckpt])
-    for repeat, name in interleave(["plain", "tierstate"], args.repeats):
+    captured: dict[str, list[float]] = {name: [] for name in CAPTURED}
+    durable: dict[str, list[float]] = {name: [] for name in CAPTURED}
+    plain_pinned_copy(list(tensors.values()), dst)  # warm-up of all: pinning, slots allocated and registered
+    warm_up(ckpts.values())
+    for repeat, name in interleave(["plain", *CAPTURED], args.repeats):
         if name == "plain":
             plain.append(plain_pinned_copy(list(tensors.values()), dst))
-        else:
-            sync(device)
-            record = ckpt.save(repeat + 1)
-            ckpt.wait_staged()
-            captured.append(time.perf_counter() - record.requested)
-            ckpt.drain()
-            durable.append(time.perf_counter() - record.requested)
-            ckpt.clear()
-        progress(f"round {repeat + 1} {name}: {(plain if name == 'plain' else captured)[-1]:.3f} s")
-    ckpt.close()
+            progress(f"round {repeat + 1} plain: {plain[-1]:.3f} s")
+            continue
+        ckpt = ckpts[name]
+        sync(device)
+        record = ckpt.save(repeat + 1)
+        ckpt.wait_staged()
+        captured[name].append(time.perf_counter() - record.requested)
+        ckpt.drain()
+        durable[name].append(time.perf_counter() - record.requested)
+        ckpt.clear()
+        progress(f"round {repeat + 1} {name}: {captured[name][-1]:.3f} s")
+    for ckpt in ckpts.values():
+        ckpt.close()
+        ckpt.clear()
     report = Report(
         "gpu-capture",
         f"Device->host capture of {fmt_bytes(nbytes)} ({count} x 64 MiB fp32 on {device}), median of {args.repeats}",
         ["method", "seconds", "GB/s", "÷ plain pinned copy_"],
     )
-    p, c = median(plain), median(captured)
+    p = median(plain)
     report.add("plain pinned copy_ (one buffer, non_blocking, 1 sync)", fmt_s(p), f"{gbps(nbytes, p):.2f}", "1.00x")
-    report.add(f"tierstate capture (chunk {args.chunk_mb} MiB, side stream)", fmt_s(c), f"{gbps(nbytes, c):.2f}",
-               fmt_ratio(c / p))
-    report.add("tierstate request -> durable", fmt_s(median(durable)), f"{gbps(nbytes, median(durable)):.2f}", "-")
-    report.note(f"host cache {'pinned' if pinned else 'NOT pinned (cpu smoke test)'}, sized to hold the state")
+    for name, what in CAPTURED.items():
+        c, d = median(captured[name]), median(durable[name])
+        report.add(f"{name} capture ({what})", fmt_s(c), f"{gbps(nbytes, c):.2f}", fmt_ratio(c / p))
+        report.add(f"{name} request -> durable", fmt_s(d), f"{gbps(nbytes, d):.2f}", "-")
+    report.note(f"host cache and slots {'pinned' if pinned else 'NOT pinned (cpu smoke test)'}; the cache holds "
+                "the state; the memory tier is in /dev/shm, keep_last 1")
     report.raw = {"bytes": nbytes, "plain": plain, "captured": captured, "durable": durable}
     del tensors, state, dst
     if device.type == "cuda":

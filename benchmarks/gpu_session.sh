@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One session on a lent GPU machine (the device tool: 15 minutes in all), prepared to run once:
 #   1. the tests that need CUDA (tests/pipeline/test_devices.py on the GPU, the CUDA RNG test),
-#   2. benchmarks/gpu.py: D2H capture GB/s vs a plain pinned copy_, blocked time in a GPU loop vs DCP,
+#   2. benchmarks/gpu.py: D2H capture GB/s vs a plain pinned copy_ (host cache; the memory tier's registered
+#      slots), blocked time in a GPU loop vs DCP, the memory tier among the methods,
 #   3. benchmarks/python_bound.py on a many-core host (issue 16, goal 4),
 #   4. benchmarks/restart.py: restart from the memory tier vs the node's disk, cache dropped (issue 13).
 # Each part has its own time limit, so one that fails or overruns leaves the others' results. The
@@ -69,7 +70,7 @@ for name in ("dcp.async_save", "dcp.async_save+async-staging"):
 PY
 )
              part gpu 240 python3 benchmarks/gpu.py --capture-gb 4 --d-model 1024 --layers 8 --repeats 2 \
-                 --methods "none,tierstate,torch.save$dcp" --results-dir "$RESULTS" ;;
+                 --methods "none,tierstate,tierstate(memory),torch.save$dcp" --results-dir "$RESULTS" ;;
         python_bound) part python_bound 110 python3 benchmarks/python_bound.py --repeats 5 --results-dir "$RESULTS" \
                           --methods tierstate,tierstate-1thread,floor-thread,floor-hash-thread,floor-overlap-2threads ;;
         restart) part restart 170 python3 benchmarks/restart.py --repeats 2 --results-dir "$RESULTS" ;;
