@@ -131,7 +131,7 @@ async def run_workers(flow: Flow, calls: list[tuple[concurrent.futures.Executor,
         with flow.lock:
             left[0] -= 1
             last = left[0] == 0
-        if last:
+        if last and not loop.is_closed():  # closed: nobody awaits the flow any more (a runner torn down)
             loop.call_soon_threadsafe(_resolve, all_returned)
 
     for i, (pool, fn, args) in enumerate(calls):
