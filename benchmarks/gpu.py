@@ -39,7 +39,7 @@ from harness.cli import parser
 from harness.dict_state import DictState
 from harness.gpt_state import GPTState, build_gpt
 from harness.machine import start_run
-from harness.methods import closing_all, make_checkpointer, make_checkpointers, setups
+from harness.methods import closing_all, make_checkpointers, setups
 from harness.paths import BENCH_ROOT, bench_root
 from harness.report import Report, progress, publish
 from harness.stats import interleave, median
@@ -84,33 +84,28 @@ def capture_bandwidth(args: argparse.Namespace, device: torch.device, root: Path
     nbytes = state.tensor_bytes
     pinned = device.type == "cuda"
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    ckpts = {
-        name: make_checkpointer(name, state, root, cache_bytes=cache_for(nbytes, args.chunk_mb * MiB),
-                                chunk_bytes=args.chunk_mb * MiB)
-        for name in CAPTURED
-    }
     plain: list[float] = []
     captured: dict[str, list[float]] = {name: [] for name in CAPTURED}
     durable: dict[str, list[float]] = {name: [] for name in CAPTURED}
-    plain_pinned_copy(list(tensors.values()), dst)  # warm-up of all: pinning, slots allocated and registered
-    warm_up(ckpts.values())
-    for repeat, name in interleave(["plain", *CAPTURED], args.repeats):
-        if name == "plain":
-            plain.append(plain_pinned_copy(list(tensors.values()), dst))
-            progress(f"round {repeat + 1} plain: {plain[-1]:.3f} s")
-            continue
-        ckpt = ckpts[name]
-        sync(device)
-        record = ckpt.save(repeat + 1)
-        ckpt.wait_staged()
-        captured[name].append(time.perf_counter() - record.requested)
-        ckpt.drain()
-        durable[name].append(time.perf_counter() - record.requested)
-        ckpt.clear()
-        progress(f"round {repeat + 1} {name}: {captured[name][-1]:.3f} s")
-    for ckpt in ckpts.values():
-        ckpt.close()
-        ckpt.clear()
+    chunk = args.chunk_mb * MiB
+    with closing_all(make_checkpointers(CAPTURED, state, root, cache_bytes=cache_for(nbytes, chunk),
+                                        chunk_bytes=chunk)) as ckpts:
+        plain_pinned_copy(list(tensors.values()), dst)  # warm-up of all: pinning, slots allocated and registered
+        warm_up(ckpts.values())
+        for repeat, name in interleave(["plain", *CAPTURED], args.repeats):
+            if name == "plain":
+                plain.append(plain_pinned_copy(list(tensors.values()), dst))
+                progress(f"round {repeat + 1} plain: {plain[-1]:.3f} s")
+                continue
+            ckpt = ckpts[name]
+            sync(device)
+            record = ckpt.save(repeat + 1)
+            ckpt.wait_staged()
+            captured[name].append(time.perf_counter() - record.requested)
+            ckpt.drain()
+            durable[name].append(time.perf_counter() - record.requested)
+            ckpt.clear()
+            progress(f"round {repeat + 1} {name}: {captured[name][-1]:.3f} s")
     report = Report(
         "gpu-capture",
         f"Device->host capture of {fmt_bytes(nbytes)} ({count} x 64 MiB fp32 on {device}), median of {args.repeats}",
