@@ -381,9 +381,12 @@ def _build(
 
 def _reusable_plan(items: list[TensorItem], chunk_size: int) -> CheckpointPlan | None:
     """``items`` planned with the form each is stored under fixed now, whatever happens later; None if two
-    share storage (which tensors alias is not checked per checkpoint: those take the plain path)."""
+    distinct tensor objects share storage. Which tensors alias is not checked per checkpoint, and a view's
+    storage may be swapped under the same object (``t.data = ...``): those take the plain path. One object
+    under two keys (tied weights) stays its own alias while the reused plan's objects are the same."""
     plan = plan_checkpoint(items, chunk_size)
-    if plan.aliases:
+    tensors = {item.key: item.tensor for item in items}
+    if any(tensors[key] is not tensors[target] for key, target in plan.aliases.items()):
         return None
     plan.layouts = {item.key: tensor_layout(item) for item in plan.tensors}
     return plan

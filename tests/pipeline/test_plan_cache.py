@@ -237,3 +237,66 @@ def test_a_strided_parameter_in_a_reused_plan_saves_its_values(make_runner: Call
     model.weight.data.zero_()
     runner.restore(3)
     assert torch.equal(model.weight.detach(), expected)
+
+
+class _Tied(torch.nn.Module):
+    """A language model's tied embedding and output projection: one Parameter under two keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens))
+
+
+def test_tied_weights_reuse_the_plan_and_restore_still_tied(make_runner: Callable[..., Runner]) -> None:
+    torch.manual_seed(0)
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    runner = make_runner(**SLOW)
+    module, optim = _CountedModule(model), _CountedOptimizer(opt)
+    runner.register(model=module, optim=optim)
+
+    def train() -> None:
+        model(torch.randint(0, 32, (8,))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    expected = {}
+    for step in range(1, 5):
+        train()
+        expected[step] = _state_of(model, opt)
+        handle = runner.checkpoint(step)
+        train()  # the optimizer step waits for the lazy capture of the tied weight
+        handle.result()
+    assert (module.described, optim.described) == (1, 1)  # planned once: the tie is one object under two keys
+    for step in range(1, 5):
+        runner.restore(step)
+        assert _same_state(_state_of(model, opt), expected[step]), step
+        assert model.head.weight is model.emb.weight
+
+
+def test_distinct_views_of_one_memory_are_planned_at_every_checkpoint(make_runner: Callable[..., Runner]) -> None:
+    base = torch.randn(64)
+    tensors = {"a": base, "b": base[:]}  # two objects, one memory: their alias is not checked per checkpoint
+    runner = make_runner()
+    provider = _CountedDict(tensors)
+    runner.register(state=provider)
+    runner.checkpoint(1).result()
+    runner.checkpoint(2).result()
+    tensors["b"].data = torch.arange(64.0)  # the same object "b", its own memory now: no longer an alias
+    expected = {k: t.clone() for k, t in tensors.items()}
+    runner.checkpoint(3).result()
+    assert provider.described >= 3  # at every checkpoint (a reused plan describes once)
+    assert _equal(_restored(runner, tensors, 3), expected)
+
+
+class _CountedDict(TensorDictProvider):
+    described = 0
+
+    def describe(self) -> list[Item]:
+        self.described += 1
+        return super().describe()
