@@ -40,7 +40,7 @@ def marked(stage: str) -> Iterator[None]:
     name = f"tierstate/{stage}"
     with contextlib.ExitStack() as stack:
         # What record_function's own callbacks check, for this thread; there is no public view of it.
-        if torch.autograd._profiler_enabled():  # noqa: SLF001
+        if torch.autograd._profiler_enabled():  # pyright: ignore[reportPrivateImportUsage]  # noqa: SLF001
             stack.enter_context(torch.profiler.record_function(name))
         if _nvtx():
             torch.cuda.nvtx.range_push(name)
