@@ -305,11 +305,14 @@ def _replanned(
             changes = batch.changes_of(index)
             items.append(TensorItem(f"{path}/{key}", tensor, replicated=replicated, changes=changes))
     plan = _reusable_plan(items, chunk_size)
-    if plan is None:
+    # The aliases among the tensors kept as planned (tied weights) are not among ``items``: carried over.
+    kept = {key: target for key, target in entry.plan.aliases.items() if not key.startswith(prefixes)}
+    if plan is None or any(target.startswith(prefixes) for target in kept.values()):
         raise PlanChangedError(
             f"optimizer state of {', '.join(map(repr, changed))} now shares memory with other planned tensors; "
             "the next checkpoint plans afresh"
         )
+    plan.aliases |= kept
     covered = rules.covered(refresh=True)
     if {item.key for item in rules.eager(plan.tensors, covered)} != entry.where.keys():
         raise PlanChangedError(

@@ -152,14 +152,15 @@ def test_optimizer_state_that_comes_to_alias_a_parameter_fails_that_checkpoint_o
     make_runner: Callable[..., Runner],
 ) -> None:
     class Aliasing(OutOfPlaceMomentum):
-        """From its third step on, keeps the parameter itself as its ``buf`` state (one tensor, two keys)."""
+        """From its third step on, keeps a view of the parameter as its ``buf`` state: another tensor object
+        on the parameter's memory, whose aliasing a reused plan does not check per checkpoint."""
 
         @torch.no_grad()
         def step(self, closure: Any = None) -> None:
             super().step(closure)
             if self.steps >= 3:
                 for p in self.param_groups[0]["params"]:
-                    self.state[p]["buf"] = p
+                    self.state[p]["buf"] = p.view_as(p)
 
     model = _model()
     optimizer = Aliasing(model.parameters(), lr=0.1, counted_from=100)
@@ -202,3 +203,73 @@ def test_a_state_value_that_stops_being_a_tensor_fails_that_checkpoint_clearly(
     assert float(got["optim"]["state"][0]["step"]) == 2.0  # Adam's load_state_dict makes it a tensor again
     for index, saved in expected["optim"]["state"].items():
         assert _same(got["optim"]["state"][index]["exp_avg_sq"], saved["exp_avg_sq"]), index
+
+
+class _TiedPair(torch.nn.Module):
+    """An embedding and an output projection sharing one Parameter: its two keys, one tensor."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_a_tied_model_beside_an_optimizer_that_replaces_its_state_keeps_both_keys(
+    make_runner: Callable[..., Runner],
+) -> None:
+    model = _TiedPair(seed=0)
+    optimizer = OutOfPlaceMomentum(model.parameters(), lr=0.1, counted_from=3)
+    runner = make_runner(**DEFERRED)
+    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
+
+    def train(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        optimizer.zero_grad(set_to_none=True)
+        model.head(model.emb(torch.randint(0, 16, (4,), generator=generator))).square().mean().backward()
+        optimizer.step()
+
+    expected = {}
+    for step in range(1, 5):  # from step 2 the plan is reused, and replanned in the background for new state
+        train(seed=step)
+        handle = runner.checkpoint(step)
+        expected[step] = _state(model, optimizer)
+        train(seed=100 + step)
+        handle.result()
+    runner.close()
+    for step in range(1, 5):
+        fresh = _TiedPair(seed=99)
+        fresh_optimizer = OutOfPlaceMomentum(fresh.parameters(), lr=0.1)
+        with make_runner(**DEFERRED) as reader:
+            reader.register(model=ModuleProvider(fresh), optim=OptimizerProvider(fresh_optimizer))
+            reader.restore(step)
+        assert _same(_state(fresh, fresh_optimizer), expected[step]), step
+        assert fresh.head.weight is fresh.emb.weight
+
+
+def test_optimizer_state_that_comes_to_be_a_parameter_itself_is_saved_as_its_alias(
+    make_runner: Callable[..., Runner],
+) -> None:
+    class Holding(OutOfPlaceMomentum):
+        """From its third step on, keeps the parameter object itself as its ``buf`` state (one tensor, two keys)."""
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            super().step(closure)
+            if self.steps >= 3:
+                for p in self.param_groups[0]["params"]:
+                    self.state[p]["buf"] = p
+
+    model = _model()
+    optimizer = Holding(model.parameters(), lr=0.1, counted_from=100)
+    runner = make_runner(**DEFERRED)
+    runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
+    for step in (1, 2, 3):  # 3 replans the reused plan in the background: the state is the parameters now
+        _train(model, optimizer, seed=step)
+        runner.checkpoint(step).result()
+    expected = _state(model, optimizer)
+    runner.close()
+    got = _restored(make_runner, Holding, 3)
+    assert _same(got["model"], expected["model"])
+    assert all(_same(got["optim"]["state"][i]["buf"], expected["optim"]["state"][i]["buf"]) for i in range(4))
