@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from tied_lm import TiedLM
 
 from tierstate import CheckpointFailed, ModuleProvider, OptimizerProvider, Runner
 
@@ -205,21 +206,10 @@ def test_a_state_value_that_stops_being_a_tensor_fails_that_checkpoint_clearly(
         assert _same(got["optim"]["state"][index]["exp_avg_sq"], saved["exp_avg_sq"]), index
 
 
-class _TiedPair(torch.nn.Module):
-    """An embedding and an output projection sharing one Parameter: its two keys, one tensor."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = torch.nn.Embedding(16, 8)
-        self.head = torch.nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight
-
-
 def test_a_tied_model_beside_an_optimizer_that_replaces_its_state_keeps_both_keys(
     make_runner: Callable[..., Runner],
 ) -> None:
-    model = _TiedPair(seed=0)
+    model = TiedLM(seed=0)
     optimizer = OutOfPlaceMomentum(model.parameters(), lr=0.1, counted_from=3)
     runner = make_runner(**DEFERRED)
     runner.register(model=ModuleProvider(model), optim=OptimizerProvider(optimizer))
@@ -227,7 +217,7 @@ def test_a_tied_model_beside_an_optimizer_that_replaces_its_state_keeps_both_key
     def train(seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         optimizer.zero_grad(set_to_none=True)
-        model.head(model.emb(torch.randint(0, 16, (4,), generator=generator))).square().mean().backward()
+        model(torch.randint(0, 32, (4,), generator=generator)).square().mean().backward()
         optimizer.step()
 
     expected = {}
@@ -239,7 +229,7 @@ def test_a_tied_model_beside_an_optimizer_that_replaces_its_state_keeps_both_key
         handle.result()
     runner.close()
     for step in range(1, 5):
-        fresh = _TiedPair(seed=99)
+        fresh = TiedLM(seed=99)
         fresh_optimizer = OutOfPlaceMomentum(fresh.parameters(), lr=0.1)
         with make_runner(**DEFERRED) as reader:
             reader.register(model=ModuleProvider(fresh), optim=OptimizerProvider(fresh_optimizer))

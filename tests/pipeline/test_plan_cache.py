@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from tied_lm import TiedLM
 
 from tierstate import CheckpointFailed, ModuleProvider, ObjectProvider, OptimizerProvider, Runner, TensorDictProvider
 from tierstate.providers.items import Item
@@ -106,22 +107,26 @@ def test_a_reused_plan_mixes_with_described_providers(make_runner: Callable[...,
         assert _equal(dict(model.state_dict()), expected[step][0])
 
 
-class _CountedModule(ModuleProvider):
-    """A real ModuleProvider that counts how often the runner describes it item by item."""
+class _Counted:
+    """Mixed into a real provider: counts how often the runner describes it item by item."""
 
     described = 0
 
     def describe(self) -> list[Item]:
         self.described += 1
-        return super().describe()
+        return super().describe()  # type: ignore[misc]
 
 
-class _CountedOptimizer(OptimizerProvider):
-    described = 0
+class _CountedModule(_Counted, ModuleProvider):
+    pass
 
-    def describe(self) -> list[Item]:
-        self.described += 1
-        return super().describe()
+
+class _CountedOptimizer(_Counted, OptimizerProvider):
+    pass
+
+
+class _CountedDict(_Counted, TensorDictProvider):
+    pass
 
 
 def _state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
@@ -142,6 +147,21 @@ def _same_state(a: dict[str, object], b: dict[str, object]) -> bool:
     return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
 
 
+def _saved_between_steps(
+    runner: Runner, train: Callable[[], None], model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int
+) -> dict[int, dict[str, object]]:
+    """Train, checkpoint, train again at once (the optimizer step waits for the lazy capture), ``steps``
+    times; the state each checkpoint was requested at."""
+    expected = {}
+    for step in range(1, steps + 1):
+        train()
+        expected[step] = _state_of(model, opt)
+        handle = runner.checkpoint(step)
+        train()
+        handle.result()
+    return expected
+
+
 def test_a_model_and_its_optimizer_are_described_once_and_saved_as_requested(
     make_runner: Callable[..., Runner],
 ) -> None:
@@ -159,13 +179,7 @@ def test_a_model_and_its_optimizer_are_described_once_and_saved_as_requested(
         opt.zero_grad()
         scheduler.step()
 
-    expected = {}
-    for step in range(1, 5):
-        train()
-        expected[step] = _state_of(model, opt)
-        handle = runner.checkpoint(step)
-        train()  # BatchNorm buffers change at once; the optimizer step waits for the lazy capture
-        handle.result()
+    expected = _saved_between_steps(runner, train, model, opt, 4)  # BatchNorm buffers change at once
     assert (module.described, optim.described) == (1, 1)  # on the first request; later ones reused the plan
     for step in range(1, 5):
         runner.restore(step)
@@ -239,22 +253,8 @@ def test_a_strided_parameter_in_a_reused_plan_saves_its_values(make_runner: Call
     assert torch.equal(model.weight.detach(), expected)
 
 
-class _Tied(torch.nn.Module):
-    """A language model's tied embedding and output projection: one Parameter under two keys."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(32, 16)
-        self.head = torch.nn.Linear(16, 32, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(tokens))
-
-
 def test_tied_weights_reuse_the_plan_and_restore_still_tied(make_runner: Callable[..., Runner]) -> None:
-    torch.manual_seed(0)
-    model = _Tied()
+    model = TiedLM(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     runner = make_runner(**SLOW)
     module, optim = _CountedModule(model), _CountedOptimizer(opt)
@@ -265,13 +265,7 @@ def test_tied_weights_reuse_the_plan_and_restore_still_tied(make_runner: Callabl
         opt.step()
         opt.zero_grad()
 
-    expected = {}
-    for step in range(1, 5):
-        train()
-        expected[step] = _state_of(model, opt)
-        handle = runner.checkpoint(step)
-        train()  # the optimizer step waits for the lazy capture of the tied weight
-        handle.result()
+    expected = _saved_between_steps(runner, train, model, opt, 4)
     assert (module.described, optim.described) == (1, 1)  # planned once: the tie is one object under two keys
     for step in range(1, 5):
         runner.restore(step)
@@ -293,10 +287,3 @@ def test_distinct_views_of_one_memory_are_planned_at_every_checkpoint(make_runne
     assert provider.described >= 3  # at every checkpoint (a reused plan describes once)
     assert _equal(_restored(runner, tensors, 3), expected)
 
-
-class _CountedDict(TensorDictProvider):
-    described = 0
-
-    def describe(self) -> list[Item]:
-        self.described += 1
-        return super().describe()
