@@ -16,7 +16,8 @@ from tierstate.pipeline.config import ConfigError, parse_config
 from tierstate.tiers.format.format import ManifestError, manifest_bytes, parse_manifest
 from tierstate.tiers.format.manifest import Manifest
 from tierstate.tiers.format.multirank import RankPart, merge_parts
-from tierstate.tiers.storage.nodeparts import join_parts, node_part
+from tierstate.tiers.storage.filesystem import FilesystemTier
+from tierstate.tiers.storage.nodeparts import join_parts, node_part, part_marker, publish_parts
 from tierstate.tiers.storage.nodes import NODE_ENV
 
 
@@ -67,6 +68,25 @@ def test_the_parts_join_back_into_the_whole(whole):
         join_parts(3, [parts[0], other])
     with pytest.raises(ManifestError, match="step 3: a whole checkpoint's manifest among the node parts"):
         join_parts(3, [whole, parts[1]])
+
+
+def test_only_the_node_that_publishes_the_parts_is_told_so(whole, tmp_path: Path):
+    """The publisher alone then stamps the published copy verified: two nodes finishing together both
+    stamped it, and the second's temporary stamp collided with the first's (a flush reported failed)."""
+    tier = FilesystemTier("pfs", tmp_path / "pfs")
+    partial = tier.partial_dir(3)
+    partial.mkdir(parents=True)
+    for rank in (0, 1):
+        (partial / f"rank-{rank:05d}.data").write_bytes(bytes(16))
+        (partial / f"rank-{rank:05d}.index").write_bytes(b"")
+    (partial / part_marker("n0")).write_bytes(manifest_bytes(node_part(whole, "n0", [0], ["n0", "n1"])))
+    first = publish_parts(tier, 3)
+    assert (first.missing, first.published) == (["n1"], None)
+    (partial / part_marker("n1")).write_bytes(manifest_bytes(node_part(whole, "n1", [1], ["n0", "n1"])))
+    last = publish_parts(tier, 3)
+    assert (last.missing, last.published) == ([], tier.step_dir(3)) and tier.steps() == [3]
+    later = publish_parts(tier, 3)  # the other node's look, once published
+    assert (later.missing, later.published) == ([], None)
 
 
 def test_node_in_a_tier_path_is_the_node_name(monkeypatch, tmp_path: Path):

@@ -344,10 +344,11 @@ def _publish_part(
     with reading(partial):  # shared with the other nodes' copies; garbage collection leaves it alone
         _copy_all(source_dir, manifest, partial, report, pacer, progress)
         write_durably(partial / part_marker(part.node), manifest_bytes(manifest))
-    report.waiting_for = publish_parts(target, manifest.step)
+    publication = publish_parts(target, manifest.step)
+    report.waiting_for = publication.missing
     report.outcome = "part copied" if report.waiting_for else "copied"
-    if not report.waiting_for:
-        write_stamp(target.step_dir(manifest.step))
+    if publication.published is not None:  # the publisher stamps it: two nodes' stamps would race on one name
+        write_stamp(publication.published)
 
 
 def migrate(

@@ -18,6 +18,7 @@ shared tier never lists a checkpoint missing a part; flushing that node's part a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.format import ManifestError, check_consistency, parse_manifest
@@ -117,26 +118,31 @@ def parts_present(partial: Path, step: int) -> tuple[list[Manifest], list[str]]:
     return parts, [node for node in nodes if node not in present]
 
 
-def publish_parts(target: FilesystemTier, step: int) -> list[str]:
-    """Publish ``step`` on ``target`` if every node's part is in its partial; the nodes still missing.
+@dataclass
+class Publication:
+    """What :func:`publish_parts` found: the nodes whose parts are still missing (none: the global checkpoint
+    is there), and where it was published if this call published it (None: not yet, or by another node)."""
 
-    An empty list means the global checkpoint is there (published now, or already by another node).
-    """
+    missing: list[str]
+    published: Path | None = None
+
+
+def publish_parts(target: FilesystemTier, step: int) -> Publication:
+    """Publish ``step`` on ``target`` if every node's part is in its partial."""
     partial = target.partial_dir(step)
     for attempt in range(_PUBLISH_ATTEMPTS):
         if step in target.steps():
-            return []
+            return Publication([])
         parts, missing = parts_present(partial, step)
         if missing:
-            return missing
+            return Publication(missing)
         try:
             with exclusive(partial):
-                target.commit(step, join_parts(step, parts))
-            return []
+                return Publication([], target.commit(step, join_parts(step, parts)))
         except InUseError:  # a node finishing at the same moment: it or this one publishes on the next look
             time.sleep(0.01 * (attempt + 1))
         except FileNotFoundError:  # renamed away: published by the other node meanwhile
             continue
     if step in target.steps():
-        return []
+        return Publication([])
     raise InUseError(f"{partial}: every node's part is there, but the directory stayed in use; flush again")
