@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -52,17 +53,43 @@ def test_new_files_are_never_written_through_a_dangling_or_live_symlink(tmp_path
     assert precious.read_bytes() == b"keep" and not (tmp_path / "nowhere").exists()
 
 
-def test_write_durably_replaces_a_planted_temporary_and_refuses_a_symlinked_target(
+def test_write_durably_removes_a_planted_temporary_and_refuses_a_symlinked_target(
     tmp_path: Path, precious: Path
 ) -> None:
-    (tmp_path / "stamp.tmp").symlink_to(precious)
+    (tmp_path / "stamp.tmp").symlink_to(precious)  # the name older versions wrote through: removed by its name
     write_durably(tmp_path / "stamp", b"new")
-    assert (tmp_path / "stamp").read_bytes() == b"new" and not os.path.lexists(tmp_path / "stamp.tmp")
+    assert (tmp_path / "stamp").read_bytes() == b"new" and precious.read_bytes() == b"keep"
+    assert sorted(os.listdir(tmp_path)) == ["outside", "stamp"]
     (tmp_path / "stamp").unlink()
     (tmp_path / "stamp").symlink_to(precious)
     with pytest.raises(UnsafeFileError, match="stamp: is a symlink"):
         write_durably(tmp_path / "stamp", b"new")
     assert precious.read_bytes() == b"keep"
+
+
+def test_writers_of_one_file_at_once_each_replace_it_whole(tmp_path: Path) -> None:
+    """Two nodes stamping the step they both saw published, or ``tierstate verify`` during a flush: with one
+    shared temporary name, one writer's create collided with, or its rename lost, the other's temporary."""
+    target = tmp_path / "verified.json"
+    bodies = [bytes([i]) * 65536 for i in range(4)]
+    start = threading.Barrier(len(bodies))
+    failures: list[BaseException] = []
+
+    def stamp(body: bytes) -> None:
+        start.wait()
+        for _ in range(40):
+            try:
+                write_durably(target, body)
+            except OSError as error:
+                failures.append(error)
+
+    writers = [threading.Thread(target=stamp, args=(body,)) for body in bodies]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert failures == []
+    assert target.read_bytes() in bodies and os.listdir(tmp_path) == ["verified.json"]
 
 
 def test_remove_and_make_dir_never_reach_through_a_symlink(tmp_path: Path, precious: Path) -> None:

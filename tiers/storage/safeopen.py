@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 from pathlib import Path
@@ -195,15 +196,19 @@ def make_dir(path: Path) -> None:
 def write_durably(path: Path, data: bytes) -> None:
     """Write via a temporary name, fsync, then rename: a reader sees the whole file or none.
 
-    The temporary (``NAME.tmp``) is always created new; one left there (by a crash, or planted) is
-    removed first, by its name. ``path`` itself is replaced only if it is missing or a regular file.
+    The temporary is hidden and named for this writer alone (``.NAME.PID.RANDOM.tmp``, created new), so two
+    processes stamping the same file at once (two nodes publishing one step, ``tierstate verify`` during a
+    flush) each rename a whole file of their own, the last one winning; neither removes the other's. One
+    left by a crash stays a hidden stray of its directory, which no reader takes for a checkpoint's file; the
+    one name older versions used for every writer (``NAME.tmp``, left by their crash or planted) is removed by
+    its name. ``path`` itself is replaced only if it is missing or a regular file.
     """
     try:
         check_regular(path)
     except FileNotFoundError:
         pass
-    tmp = path.with_name(path.name + ".tmp")
-    remove(tmp)
+    remove(path.with_name(path.name + ".tmp"))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = create_new(tmp)
     try:
         view = memoryview(data)
