@@ -4,7 +4,7 @@ and measure the wasted time: from the kill until training is back at the step wh
 As the checkpointing papers report it (Gemini, CheckFreq, PCcheck): for each method, in the same run,
 
 1. **Interval.** The method's cost per checkpoint is measured in the trainer itself (windows of steps
-   with one checkpoint against the same windows without, interleaved, medians), and its interval is
+   with a few checkpoints against the same windows without, interleaved, medians), and its interval is
    the fewest steps between checkpoints that keep that cost within 3% of the step time
    (``ceil(cost / (0.03 * step))``), and never shorter than the checkpoint takes to be durable
    everywhere (for tierstate: in the memory tier and flushed to NVMe), so no request waits for the
@@ -264,27 +264,32 @@ def child(spec: dict[str, Any]) -> None:
 # --- the parent: intervals, kills, restarts ----------------------------------------------------
 
 
-def _window(state: Any, trainer: Trainer | None, steps: int, step0: int) -> tuple[float, float]:
-    """Seconds for ``steps`` training steps, and (with ``trainer``: a checkpoint after the first step) the
-    seconds its checkpoint took to be durable everywhere; the window lasts at least until then, so all of
-    its background work falls inside it."""
+def _window(
+    state: Any, trainer: Trainer | None, steps: int, step0: int, every: int = 1, count: int = 1
+) -> tuple[float, list[float]]:
+    """Seconds for ``steps`` training steps and, with ``trainer``, the seconds each of its ``count`` checkpoints
+    took to be durable everywhere: one after the first step and after every ``every``-th from there. The
+    window lasts at least until the last is durable, so all of their background work falls inside it."""
     started = time.perf_counter()
     waits: list[Any] = []
-    durable = [float("nan")]
+    durable: list[float] = []
     for i in range(steps):
         state.train_step(before_step=trainer.before_step if trainer is not None else None)
-        if trainer is not None and i == 0:
-            asked = time.perf_counter()
-            waits = trainer.save(step0)
-            _when_all(waits, lambda asked=asked: durable.__setitem__(0, time.perf_counter() - asked))
-            if not waits:  # synchronous: durable when save returned
-                durable[0] = time.perf_counter() - asked
+        if trainer is not None and i % every == 0 and i // every < count:
+            asked, slot = time.perf_counter(), len(durable)
+            durable.append(float("nan"))
+            futures = trainer.save(step0 + i)
+            _when_all(futures, lambda asked=asked, slot=slot: durable.__setitem__(slot, time.perf_counter() - asked))
+            if not futures:  # synchronous: durable when save returned
+                durable[slot] = time.perf_counter() - asked
+            waits += futures
     for future in waits:
         future.result()
-    return time.perf_counter() - started, durable[0]
+    return time.perf_counter() - started, durable
 
 
 MEMORY_ONLY = "tierstate (memory tier only)"
+MIN_CHECKPOINTS, MIN_STEPS = 4, 8  # per window: a memory checkpoint costs a fifth of a step, lost in one's noise
 
 
 def calibrate(
@@ -292,9 +297,14 @@ def calibrate(
 ) -> dict[str, dict[str, float]]:
     """Per method: step time, cost per checkpoint, time to durable, and the interval that follows.
 
-    tierstate is measured twice, with and without its flush to NVMe, so that the flush's share of the cost
-    can be spread over several checkpoints (``flush.every``): see :func:`tierstate_interval`. Its NVMe copies
-    come at least as often as the most frequent competitor's, or every ``nvme_every`` steps."""
+    Each round runs, per method, a window of plain steps and the same window with a few checkpoints (at
+    least ``MIN_CHECKPOINTS``, over at least ``MIN_STEPS`` steps), each asked once the one before it should
+    be durable (its first measured time to durable, in steps), so none waits for another, and the last with
+    as many steps left to become durable in; the cost is the difference divided by the checkpoints, the
+    median over rounds. tierstate is measured twice, with and without its
+    flush to NVMe, so that the flush's share of the cost can be spread over several checkpoints
+    (``flush.every``): see :func:`tierstate_interval`. Its NVMe copies come at least as often as the most
+    frequent competitor's, or every ``nvme_every`` steps."""
     state = build(preset, "torch.save", for_restore=False)
     trainers = {m: Trainer(m, state, root / f"calibrate-{m}", memory / f"calibrate-{m}", agent=agent) for m in METHODS}
     trainers[MEMORY_ONLY] = Trainer("tierstate", state, root / "calibrate-mem", memory / "calibrate-mem", None, agent)
@@ -303,23 +313,26 @@ def calibrate(
     step = 10
     probe: dict[str, float] = {}
     for method, trainer in trainers.items():  # warm-up: first plans, files, allocations; a first estimate
-        step += 1
-        probe[method] = _window(state, trainer, 2, step)[1]
+        step += 2
+        probe[method] = _window(state, trainer, 2, step)[1][0]
     step_s = _window(state, None, 2, 0)[0] / 2
-    windows = {m: max(3, math.ceil(probe[m] / step_s) + 2) for m in trainers}
+    spacing = {m: max(1, math.ceil(probe[m] / step_s)) for m in trainers}
+    count = {m: max(MIN_CHECKPOINTS, math.ceil(MIN_STEPS / spacing[m])) for m in trainers}
+    windows = {m: count[m] * spacing[m] + 1 for m in trainers}
     costs: dict[str, list[float]] = {m: [] for m in trainers}
     durables: dict[str, list[float]] = {m: [] for m in trainers}
     steps: list[float] = []
     for repeat in range(repeats):
         for method, trainer in trainers.items():
             plain, _ = _window(state, None, windows[method], 0)
-            step += 1
-            with_one, durable = _window(state, trainer, windows[method], step)
-            costs[method].append(with_one - plain)
-            durables[method].append(durable)
+            with_some, durable = _window(state, trainer, windows[method], step, spacing[method], count[method])
+            step += windows[method]
+            costs[method].append((with_some - plain) / len(durable))
+            durables[method] += durable
             steps.append(plain / windows[method])
             progress(f"calibrate round {repeat + 1} {method:28s} window {windows[method]} steps: {plain:.2f} s "
-                     f"plain, {with_one:.2f} s with one checkpoint (durable in {durable:.2f} s)")  # fmt: skip
+                     f"plain, {with_some:.2f} s with {len(durable)} checkpoints (durable in "
+                     f"{median(durable):.2f} s)")  # fmt: skip
     for trainer in trainers.values():
         trainer.close()
     step_s = median(steps)
@@ -509,7 +522,8 @@ def _report(args: Any, intervals: dict[str, dict[str, float]], failures: dict[st
                 f"meta model), its wasted time would be {fmt_s(same_build)}: tierstate "
                 f"{fmt_ratio(wasted['tierstate'] / same_build)} of it")  # fmt: skip
     report.note(f"step time {fmt_s(step_s)}; each interval is the fewest steps whose checkpoint cost (trainer time "
-                f"lost, measured as windows with one checkpoint minus windows without) stays within {SLOWDOWN:.0%} of "
+                f"lost, measured as windows with a few checkpoints minus windows without, per checkpoint) stays within "
+                f"{SLOWDOWN:.0%} of "
                 "them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
     disk_cadence = "disk copies at least as often as the competitors'"
     if args.nvme_every:
