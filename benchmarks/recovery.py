@@ -301,10 +301,11 @@ def calibrate(
     least ``MIN_CHECKPOINTS``, over at least ``MIN_STEPS`` steps), each asked once the one before it should
     be durable (its first measured time to durable, in steps), so none waits for another, and the last with
     as many steps left to become durable in; the cost is the difference divided by the checkpoints, the
-    median over rounds. tierstate is measured twice, with and without its
-    flush to NVMe, so that the flush's share of the cost can be spread over several checkpoints
-    (``flush.every``): see :func:`tierstate_interval`. Its NVMe copies come at least as often as the most
-    frequent competitor's, or every ``nvme_every`` steps."""
+    median over rounds.
+
+    tierstate is measured twice, with and without its flush to NVMe, so that the flush's share of the cost
+    can be spread over several checkpoints (``flush.every``): see :func:`tierstate_interval`. Its NVMe copies
+    come at least as often as the most frequent competitor's, or every ``nvme_every`` steps."""
     state = build(preset, "torch.save", for_restore=False)
     trainers = {m: Trainer(m, state, root / f"calibrate-{m}", memory / f"calibrate-{m}", agent=agent) for m in METHODS}
     trainers[MEMORY_ONLY] = Trainer("tierstate", state, root / "calibrate-mem", memory / "calibrate-mem", None, agent)
@@ -523,8 +524,7 @@ def _report(args: Any, intervals: dict[str, dict[str, float]], failures: dict[st
                 f"{fmt_ratio(wasted['tierstate'] / same_build)} of it")  # fmt: skip
     report.note(f"step time {fmt_s(step_s)}; each interval is the fewest steps whose checkpoint cost (trainer time "
                 f"lost, measured as windows with a few checkpoints minus windows without, per checkpoint) stays within "
-                f"{SLOWDOWN:.0%} of "
-                "them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
+                f"{SLOWDOWN:.0%} of them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
     disk_cadence = "disk copies at least as often as the competitors'"
     if args.nvme_every:
         disk_cadence = (f"at least every {args.nvme_every} steps, its own cadence (--nvme-every; a node loss, unlike "
