@@ -197,8 +197,8 @@ def _when_all(futures: list[Any], then: Any) -> None:
 
 def build(preset: str, method: str, for_restore: bool) -> Any:
     """The GPT and AdamW. A restart of tierstate or the copy floor builds on the meta device (the restore sets
-    every value); DCP's and the floor's restarts initialise AdamW's state, since they load into the tensors they
-    are given."""
+    every value); DCP's restart initialises AdamW's state and the floor's allocates it, since they load into
+    the tensors they are given."""
     from harness.gpt_state import build_gpt, build_gpt_for_restore
 
     if not for_restore:
@@ -210,8 +210,20 @@ def build(preset: str, method: str, for_restore: bool) -> Any:
         return state
     state = build_gpt_for_restore(preset)
     if method == FLOOR:
-        _init_adamw_state(state.optimizer)
+        _allocate_adamw_state(state.optimizer)
     return state
+
+
+def _allocate_adamw_state(optimizer: Any) -> None:
+    """The floor's restart: every moment tensor AdamW's first step would create, allocated and not computed
+    (``empty_like``), the tensors its copy goes straight back into. One zero-gradient step, as DCP's restart
+    takes, would charge the floor an optimizer step it has no need of."""
+    import torch
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            moments = ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if group["amsgrad"] else [])]
+            optimizer.state[p] = {"step": torch.tensor(0.0), **{name: torch.empty_like(p) for name in moments}}
 
 
 def _init_adamw_state(optimizer: Any) -> None:
