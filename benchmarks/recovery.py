@@ -3,8 +3,8 @@ and measure the wasted time: from the kill until training is back at the step wh
 
 As the checkpointing papers report it (Gemini, CheckFreq, PCcheck): for each method, in the same run,
 
-1. **Interval.** The method's cost per checkpoint is measured in the trainer itself (windows of steps
-   with a few checkpoints against the same windows without, interleaved, medians), and its interval is
+1. **Interval.** The method's cost per checkpoint is measured in the trainer itself (cycles of steps
+   with a checkpoint against the same cycles without, interleaved, medians), and its interval is
    the fewest steps between checkpoints that keep that cost within 3% of the step time
    (``ceil(cost / (0.03 * step))``), and never shorter than the checkpoint takes to be durable
    everywhere (for tierstate: in the memory tier and flushed to NVMe), so no request waits for the
@@ -276,28 +276,41 @@ def child(spec: dict[str, Any]) -> None:
 # --- the parent: intervals, kills, restarts ----------------------------------------------------
 
 
+@dataclass
+class Window:
+    """A run of training steps: its seconds, each checkpoint's seconds to durable, and its cycles."""
+
+    seconds: float
+    durable: list[float]
+    cycles: list[float]  # seconds from the end of each cycle's first step (its checkpoint asked there) to the next's
+
+
 def _window(
     state: Any, trainer: Trainer | None, steps: int, step0: int, every: int = 1, count: int = 1
-) -> tuple[float, list[float]]:
-    """Seconds for ``steps`` training steps and, with ``trainer``, the seconds each of its ``count`` checkpoints
-    took to be durable everywhere: one after the first step and after every ``every``-th from there. The
-    window lasts at least until the last is durable, so all of their background work falls inside it."""
+) -> Window:
+    """``steps`` training steps in ``count`` cycles of ``every`` steps (and one more step), with ``trainer`` a
+    checkpoint asked at the start of each cycle (after its first step); the window lasts at least until the
+    last is durable, so all of their background work falls inside it. Without ``trainer``, the same cycles
+    of plain steps."""
     started = time.perf_counter()
     waits: list[Any] = []
     durable: list[float] = []
+    marks: list[float] = []
     for i in range(steps):
         state.train_step(before_step=trainer.before_step if trainer is not None else None)
+        marks.append(time.perf_counter())
         if trainer is not None and i % every == 0 and i // every < count:
-            asked, slot = time.perf_counter(), len(durable)
+            slot = len(durable)
             durable.append(float("nan"))
             futures = trainer.save(step0 + i)
-            _when_all(futures, lambda asked=asked, slot=slot: durable.__setitem__(slot, time.perf_counter() - asked))
+            _when_all(futures, lambda at=marks[-1], slot=slot: durable.__setitem__(slot, time.perf_counter() - at))
             if not futures:  # synchronous: durable when save returned
-                durable[slot] = time.perf_counter() - asked
+                durable[slot] = time.perf_counter() - marks[-1]
             waits += futures
     for future in waits:
         future.result()
-    return time.perf_counter() - started, durable
+    cycles = [marks[(j + 1) * every] - marks[j * every] for j in range(count) if (j + 1) * every < len(marks)]
+    return Window(time.perf_counter() - started, durable, cycles)
 
 
 MEMORY_ONLY = "tierstate (memory tier only)"
@@ -311,9 +324,11 @@ def calibrate(
 
     Each round runs, per method, a window of plain steps and the same window with a few checkpoints (at
     least ``MIN_CHECKPOINTS``, over at least ``MIN_STEPS`` steps), each asked once the one before it should
-    be durable (its first measured time to durable, in steps), so none waits for another, and the last with
-    as many steps left to become durable in; the cost is the difference divided by the checkpoints, the
-    median over rounds.
+    be durable (its first measured time to durable, in steps), so none waits for another. A round's cost is
+    its median cycle (a checkpoint and the steps until the next is asked) less its median plain cycle of the
+    same length: medians, since on a shared VM a step now and then takes twice its time, which a sum over a
+    window turns into a checkpoint's whole cost; and paired within the round, since the step time drifts by
+    a quarter between rounds. The method's cost is the median of its rounds'.
 
     tierstate is measured twice, with and without its flush to NVMe, so that the flush's share of the cost
     can be spread over several checkpoints (``flush.every``): see :func:`tierstate_interval`. Its NVMe copies
@@ -327,8 +342,8 @@ def calibrate(
     probe: dict[str, float] = {}
     for method, trainer in trainers.items():  # warm-up: first plans, files, allocations; a first estimate
         step += 2
-        probe[method] = _window(state, trainer, 2, step)[1][0]
-    step_s = _window(state, None, 2, 0)[0] / 2
+        probe[method] = _window(state, trainer, 2, step).durable[0]
+    step_s = _window(state, None, 2, 0).seconds / 2
     spacing = {m: max(1, math.ceil(probe[m] / step_s)) for m in trainers}
     count = {m: max(MIN_CHECKPOINTS, math.ceil(MIN_STEPS / spacing[m])) for m in trainers}
     windows = {m: count[m] * spacing[m] + 1 for m in trainers}
@@ -337,15 +352,15 @@ def calibrate(
     steps: list[float] = []
     for repeat in range(repeats):
         for method, trainer in trainers.items():
-            plain, _ = _window(state, None, windows[method], 0)
-            with_some, durable = _window(state, trainer, windows[method], step, spacing[method], count[method])
+            plain = _window(state, None, windows[method], 0, spacing[method], count[method])
+            with_some = _window(state, trainer, windows[method], step, spacing[method], count[method])
             step += windows[method]
-            costs[method].append((with_some - plain) / len(durable))
-            durables[method] += durable
-            steps.append(plain / windows[method])
-            progress(f"calibrate round {repeat + 1} {method:28s} window {windows[method]} steps: {plain:.2f} s "
-                     f"plain, {with_some:.2f} s with {len(durable)} checkpoints (durable in "
-                     f"{median(durable):.2f} s)")  # fmt: skip
+            costs[method].append(median(with_some.cycles) - median(plain.cycles))
+            durables[method] += with_some.durable
+            steps += [c / spacing[method] for c in plain.cycles]
+            progress(f"calibrate round {repeat + 1} {method:28s} {count[method]} cycles of {spacing[method]} steps: "
+                     f"median {median(plain.cycles):.3f} s plain, {median(with_some.cycles):.3f} s with a checkpoint "
+                     f"(durable in {median(with_some.durable):.2f} s)")  # fmt: skip
     for trainer in trainers.values():
         trainer.close()
     step_s = median(steps)
@@ -535,8 +550,9 @@ def _report(args: Any, intervals: dict[str, dict[str, float]], failures: dict[st
                 f"meta model), its wasted time would be {fmt_s(same_build)}: tierstate "
                 f"{fmt_ratio(wasted['tierstate'] / same_build)} of it")  # fmt: skip
     report.note(f"step time {fmt_s(step_s)}; each interval is the fewest steps whose checkpoint cost (trainer time "
-                f"lost, measured as windows with a few checkpoints minus windows without, per checkpoint) stays within "
-                f"{SLOWDOWN:.0%} of them, and no fewer than a checkpoint takes to be durable everywhere")  # fmt: skip
+                f"lost: the median cycle of a checkpoint and the steps to the next less the median plain cycle) "
+                f"stays within {SLOWDOWN:.0%} of them, and no fewer than a checkpoint takes to be durable "
+                "everywhere")  # fmt: skip
     disk_cadence = "disk copies at least as often as the competitors'"
     if args.nvme_every:
         disk_cadence = (f"at least every {args.nvme_every} steps, its own cadence (--nvme-every; a node loss, unlike "
