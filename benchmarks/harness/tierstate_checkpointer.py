@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from tierstate import CheckpointHandle, CheckpointResult, Runner
-from tierstate.tiers.format.names import parse_step_name
-from tierstate.tiers.storage.slotdirs import recycle
+from tierstate.tiers.storage.filesystem import FilesystemTier
 
 from .checkpointer import Checkpointer, Record
 from .paths import DEFAULT_YAML
@@ -119,11 +118,9 @@ class MemoryTierCheckpointer(TierstateCheckpointer):
         if self.runner.closed:
             shutil.rmtree(self.root, ignore_errors=True)
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        for entry in self.root.iterdir():
-            if parse_step_name(entry.name) is not None:
-                recycle(self.root, entry)
-                shutil.rmtree(entry)
+        tier = FilesystemTier("memory", self.root, "node")
+        for step in tier.steps():
+            tier.delete_step(step)
 
 
 def memory_tier_config(directory: Path, state_bytes: int, slots: bool) -> dict[str, Any]:
