@@ -347,7 +347,7 @@ def _publish_part(
     publication = publish_parts(target, manifest.step)
     report.waiting_for = publication.missing
     report.outcome = "part copied" if report.waiting_for else "copied"
-    if publication.published is not None:  # the publisher stamps it: two nodes' stamps would race on one name
+    if publication.published is not None:  # stamped once, by the node whose look published it; the others find it so
         write_stamp(publication.published)
 
 
